@@ -1,0 +1,201 @@
+"""Runs opted-in pods of the local cluster as local processes, bound to their loopback pod IPs.
+
+kwok marks pods on fake nodes Running and gives them an IP from a loopback CIDR, but runs nothing. For pods labelled
+``modeld.contenox.io/local-run: "true"`` this runner starts the first container's command + args as a local process
+with the container's environment (plain values and the downward-API fields status.podIP, metadata.name,
+metadata.namespace, spec.nodeName), so clients reach a real worker at http://<podIP>:<port> exactly as in a cluster.
+A process stops when its pod goes away; one that exits is restarted with back-off, as the kubelet would.
+
+    python hack/podrunner.py --kubeconfig FILE --log-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client, config, watch
+
+LABEL = "modeld.contenox.io/local-run=true"
+log = logging.getLogger("podrunner")
+
+
+@dataclass
+class Running:
+    key: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    stopped: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _field(pod: client.V1Pod, path: str) -> str:
+    values = {
+        "status.podIP": pod.status.pod_ip,
+        "metadata.name": pod.metadata.name,
+        "metadata.namespace": pod.metadata.namespace,
+        "spec.nodeName": pod.spec.node_name,
+    }
+    if path not in values:
+        raise ValueError(f"fieldRef {path} is not supported by the local pod runner")
+    return values[path] or ""
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    # Kubernetes expands $(VAR) in command and args; $$(VAR) escapes it.
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def plan(pod: client.V1Pod, log_dir: Path) -> Running:
+    container = pod.spec.containers[0]
+    env = dict(os.environ)
+    for var in container.env or []:
+        if var.value is not None:
+            env[var.name] = _expand(var.value, env)
+        elif var.value_from is not None and var.value_from.field_ref is not None:
+            env[var.name] = _field(pod, var.value_from.field_ref.field_path)
+        else:
+            raise ValueError(f"env {var.name}: only value and fieldRef are supported by the local pod runner")
+    argv = [_expand(a, env) for a in (container.command or []) + (container.args or [])]
+    if not argv:
+        raise ValueError("container has no command: the local runner cannot use the image's entrypoint")
+    # Prefer executables of this interpreter's environment (the project's virtualenv).
+    local = Path(sys.executable).parent / argv[0]
+    if local.exists():
+        argv[0] = str(local)
+    elif shutil.which(argv[0]) is None:
+        raise ValueError(f"command {argv[0]!r} not found on this machine")
+    key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+    return Running(key, argv, env, log_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.log")
+
+
+class Runner:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.pods: dict[str, Running] = {}
+        self.lock = threading.Lock()
+
+    def ensure(self, pod: client.V1Pod) -> None:
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        ready = pod.status.phase == "Running" and pod.status.pod_ip and not pod.metadata.deletion_timestamp
+        with self.lock:
+            if not ready:
+                if key in self.pods:
+                    self.stop(self.pods.pop(key))
+                return
+            if key in self.pods:
+                return
+            try:
+                run = plan(pod, self.log_dir)
+            except ValueError as exc:
+                log.error("pod %s: %s", key, exc)
+                return
+            self.pods[key] = run
+            self.spawn(run)
+
+    def forget(self, key: str) -> None:
+        with self.lock:
+            if key in self.pods:
+                self.stop(self.pods.pop(key))
+
+    def spawn(self, run: Running) -> None:
+        out = open(run.log_path, "ab")
+        out.write(f"--- start {time.strftime('%FT%TZ', time.gmtime())}: {' '.join(run.argv)}\n".encode())
+        out.flush()
+        run.proc = subprocess.Popen(run.argv, env=run.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        log.info("pod %s: started pid %d", run.key, run.proc.pid)
+
+    def stop(self, run: Running) -> None:
+        run.stopped = True
+        if run.proc and run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGTERM)
+            try:
+                run.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+        log.info("pod %s: stopped", run.key)
+
+    def reap(self) -> None:
+        """Restart exited processes with back-off (10 s doubling to 5 min), as the kubelet does."""
+        now = time.monotonic()
+        with self.lock:
+            for run in self.pods.values():
+                if run.proc is None or run.proc.poll() is None or run.stopped:
+                    continue
+                if run.next_start == 0.0:
+                    delay = min(300.0, 10.0 * 2**run.restarts)
+                    run.next_start = now + delay
+                    log.warning("pod %s: exited with %s; restart in %.0f s", run.key, run.proc.returncode, delay)
+                elif now >= run.next_start:
+                    run.restarts += 1
+                    run.next_start = 0.0
+                    self.spawn(run)
+
+    def shutdown(self) -> None:
+        with self.lock:
+            for run in self.pods.values():
+                self.stop(run)
+            self.pods.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--log-dir", required=True, type=Path)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    config.load_kube_config(args.kubeconfig)
+    core = client.CoreV1Api()
+    runner = Runner(args.log_dir)
+
+    def on_signal(*_: object) -> None:
+        runner.shutdown()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=lambda: [(runner.reap(), time.sleep(1.0)) for _ in iter(int, 1)], daemon=True).start()
+    while True:
+        try:
+            listing = core.list_pod_for_all_namespaces(label_selector=LABEL)
+            seen = set()
+            for pod in listing.items:
+                seen.add(f"{pod.metadata.namespace}/{pod.metadata.name}")
+                runner.ensure(pod)
+            for key in set(runner.pods) - seen:
+                runner.forget(key)
+            stream = watch.Watch().stream(
+                core.list_pod_for_all_namespaces,
+                label_selector=LABEL,
+                resource_version=listing.metadata.resource_version,
+                timeout_seconds=60,
+                _request_timeout=90,
+            )
+            for event in stream:
+                pod = event["object"]
+                if event["type"] == "DELETED":
+                    runner.forget(f"{pod.metadata.namespace}/{pod.metadata.name}")
+                else:
+                    runner.ensure(pod)
+        except Exception as exc:  # the apiserver restarting or a dropped watch: list again
+            log.warning("watch interrupted (%s); listing again", exc)
+            time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    main()

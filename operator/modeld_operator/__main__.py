@@ -1,0 +1,52 @@
+"""Runs the operator: ``modeld-operator`` or ``python -m modeld_operator``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from . import api, kube, metrics
+from .settings import SETTINGS
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # A silent watch must not hang the operator (kopf #585, #860): bounded server and client timeouts.
+    settings.watching.server_timeout = SETTINGS.watch_server_timeout
+    settings.watching.client_timeout = SETTINGS.watch_client_timeout
+    settings.watching.connect_timeout = 10
+    settings.persistence.finalizer = api.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    settings.posting.level = logging.INFO
+    settings.execution.max_workers = 8
+    kube.load_config()
+    metrics.serve(SETTINGS.metrics_port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="modeld operator: Cells and Sessions")
+    parser.add_argument("--namespace", default=SETTINGS.namespace, help="watch one namespace (default: all)")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if SETTINGS.log_format == "json" else kopf.LogFormat.PLAIN,
+    )
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    asyncio.run(
+        kopf.operator(
+            clusterwide=not args.namespace,
+            namespaces=[args.namespace] if args.namespace else [],
+            standalone=True,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

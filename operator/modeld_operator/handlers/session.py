@@ -1,0 +1,135 @@
+"""Session handlers: bind each Session to a ready cell that fits it, keep it bound, release it on delete."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+from urllib.parse import quote
+
+import kopf
+from pydantic import ValidationError
+
+from .. import api, kube, metrics, placement
+from ..conditions import now, set_condition
+from ..settings import SETTINGS
+
+SESSIONS = (api.GROUP, api.VERSION, "sessions")
+
+
+def _cell_views(namespace: str) -> list[placement.CellView]:
+    counts: dict[str, int] = {}
+    for sess in kube.list_objects("sessions", namespace):
+        cell = (sess["metadata"].get("labels") or {}).get(api.LABEL_CELL)
+        if cell:
+            counts[cell] = counts.get(cell, 0) + 1
+    views = []
+    for obj in kube.list_objects("cells", namespace):
+        try:
+            spec = api.CellSpec.model_validate(obj.get("spec") or {})
+        except ValidationError:
+            continue  # the cell's own handler reports it
+        status = obj.get("status") or {}
+        certified = next((c.get("status") == "True" for c in status.get("conditions") or [] if c.get("type") == "Certified"), None)
+        summary = (status.get("certification") or {}).get("summary") or {}
+        views.append(
+            placement.CellView(
+                name=obj["metadata"]["name"],
+                spec=spec,
+                ready_endpoints=[api.Endpoint.model_validate(e) for e in status.get("endpoints") or [] if e.get("ready") and e.get("url")],
+                sessions=counts.get(obj["metadata"]["name"], 0),
+                certified=certified,
+                first_output_p90_ms=summary.get("firstOutputP90Ms"),
+            )
+        )
+    return views
+
+
+def worker_session_id(namespace: str, name: str) -> str:
+    return f"{namespace}.{name}"
+
+
+def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> None:
+    status = dict(body.get("status") or {})
+    generation = body["metadata"].get("generation")
+    fit = placement.choose_cell(spec, _cell_views(namespace), SETTINGS.require_certified)
+    if fit.cell is None or fit.endpoint is None:
+        conditions, changed = set_condition(status.get("conditions"), "Bound", False, "NoFittingCell", fit.reason, generation)
+        kube.patch_status("sessions", namespace, name, {"phase": "Pending", "reason": fit.reason, "observedGeneration": generation, "conditions": conditions})
+        if changed:
+            kopf.event(body, type="Warning", reason="NoFittingCell", message=fit.reason)
+        metrics.RECONCILES.labels("session", "waiting").inc()
+        if fit.permanent:
+            raise kopf.PermanentError(fit.reason)
+        raise kopf.TemporaryError(fit.reason, delay=SETTINGS.retry_delay)
+    kube.patch_labels("sessions", namespace, name, {api.LABEL_CELL: fit.cell.name})
+    conditions, _ = set_condition(status.get("conditions"), "Bound", True, "Bound", fit.reason, generation)
+    kube.patch_status(
+        "sessions",
+        namespace,
+        name,
+        {
+            "phase": "Bound",
+            "cell": fit.cell.name,
+            "endpoint": fit.endpoint.url,
+            "pod": fit.endpoint.pod,
+            "sessionId": worker_session_id(namespace, name),
+            "boundAt": now(),
+            "reason": fit.reason,
+            "observedGeneration": generation,
+            "conditions": conditions,
+        },
+    )
+    kopf.event(body, type="Normal", reason="Bound", message=f"{fit.reason} at {fit.endpoint.url}")
+    created = dt.datetime.fromisoformat(body["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+    metrics.BIND_SECONDS.observe((dt.datetime.now(dt.timezone.utc) - created).total_seconds())
+    metrics.RECONCILES.labels("session", "bound").inc()
+
+
+def _binding_alive(namespace: str, status: dict[str, Any]) -> bool:
+    cell = kube.get_object("cells", namespace, status.get("cell") or "")
+    if cell is None:
+        return False
+    endpoints = (cell.get("status") or {}).get("endpoints") or []
+    return any(e.get("url") == status.get("endpoint") and e.get("ready") for e in endpoints)
+
+
+def parse_spec(spec: dict[str, Any]) -> api.SessionSpec:
+    try:
+        return api.SessionSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        raise kopf.PermanentError(f"invalid Session spec: {exc}") from exc
+
+
+@kopf.on.resume(*SESSIONS)
+@kopf.on.create(*SESSIONS)
+@kopf.on.update(*SESSIONS, field="spec")
+def bind(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], **_: Any) -> None:
+    status = body.get("status") or {}
+    if status.get("phase") == "Bound" and _binding_alive(namespace, status):
+        return
+    _bind(name, namespace, body, parse_spec(spec))
+
+
+@kopf.timer(*SESSIONS, interval=SETTINGS.status_interval, initial_delay=2.0)
+def keep_bound(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], logger: Any, **_: Any) -> None:
+    """A bound session whose worker went away is rebound; a pending one is retried."""
+    status = body.get("status") or {}
+    if status.get("phase") == "Bound":
+        if _binding_alive(namespace, status):
+            return
+        logger.warning("session %s lost its worker at %s; rebinding", name, status.get("endpoint"))
+        kube.patch_labels("sessions", namespace, name, {api.LABEL_CELL: None})
+    try:
+        _bind(name, namespace, body, parse_spec(spec))
+    except (kopf.TemporaryError, kopf.PermanentError):
+        pass  # status already says why; the timer comes back
+
+
+@kopf.on.delete(*SESSIONS)
+def unbind(name: str, namespace: str, body: kopf.Body, logger: Any, **_: Any) -> None:
+    """Free the session's KV on its worker; best effort, since the worker may be gone already."""
+    status = body.get("status") or {}
+    endpoint, session_id = status.get("endpoint"), status.get("sessionId")
+    if endpoint and session_id:
+        code, _ = kube.http_json("DELETE", f"{endpoint}/v1/sessions/{quote(session_id)}", SETTINGS.probe_timeout)
+        logger.info("session %s closed on %s: HTTP %s", name, endpoint, code or "unreachable")

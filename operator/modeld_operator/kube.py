@@ -1,0 +1,145 @@
+"""The few Kubernetes API calls the handlers make, with errors typed for kopf's retry semantics."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from . import api
+
+_loaded = False
+
+
+def load_config() -> None:
+    global _loaded
+    if _loaded:
+        return
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    _loaded = True
+
+
+def _raise(exc: ApiException, what: str) -> None:
+    # 4xx other than conflict/throttling is our fault and will not heal by retrying; the rest might.
+    if exc.status in (409, 429) or exc.status >= 500:
+        raise kopf.TemporaryError(f"{what}: {exc.status} {exc.reason}", delay=5) from exc
+    raise kopf.PermanentError(f"{what}: {exc.status} {exc.reason}: {exc.body}") from exc
+
+
+def custom() -> client.CustomObjectsApi:
+    load_config()
+    return client.CustomObjectsApi()
+
+
+def core() -> client.CoreV1Api:
+    load_config()
+    return client.CoreV1Api()
+
+
+def apps() -> client.AppsV1Api:
+    load_config()
+    return client.AppsV1Api()
+
+
+def patch_status(plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+    try:
+        custom().patch_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, namespace, plural, name, {"status": status}
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return  # deleted meanwhile: nothing to report on
+        _raise(exc, f"patching status of {plural}/{name}")
+
+
+def patch_labels(plural: str, namespace: str, name: str, labels: dict[str, str | None]) -> None:
+    try:
+        custom().patch_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, plural, name, {"metadata": {"labels": labels}}
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            _raise(exc, f"labelling {plural}/{name}")
+
+
+def list_objects(plural: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+    try:
+        res = custom().list_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, plural, label_selector=label_selector
+        )
+    except ApiException as exc:
+        _raise(exc, f"listing {plural}")
+    return list(res.get("items", []))
+
+
+def get_object(plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, plural, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        _raise(exc, f"reading {plural}/{name}")
+    return None
+
+
+def list_nodes() -> list[dict[str, Any]]:
+    try:
+        res = core().list_node()
+    except ApiException as exc:
+        _raise(exc, "listing nodes")
+    return [client.ApiClient().sanitize_for_serialization(n) for n in res.items]
+
+
+def list_pods(namespace: str, label_selector: str) -> list[dict[str, Any]]:
+    try:
+        res = core().list_namespaced_pod(namespace, label_selector=label_selector)
+    except ApiException as exc:
+        _raise(exc, "listing pods")
+    return [client.ApiClient().sanitize_for_serialization(p) for p in res.items]
+
+
+def apply_deployment(manifest: dict[str, Any]) -> None:
+    """Create, or patch to the desired state (a strategic merge of our own fields)."""
+    name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+    try:
+        apps().create_namespaced_deployment(namespace, manifest)
+        return
+    except ApiException as exc:
+        if exc.status != 409:
+            _raise(exc, f"creating deployment {name}")
+    try:
+        apps().replace_namespaced_deployment(name, namespace, _with_version(namespace, name, manifest))
+    except ApiException as exc:
+        _raise(exc, f"updating deployment {name}")
+
+
+def _with_version(namespace: str, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    current = apps().read_namespaced_deployment(name, namespace)
+    out = json.loads(json.dumps(manifest))
+    out["metadata"]["resourceVersion"] = current.metadata.resource_version
+    out["metadata"]["ownerReferences"] = manifest["metadata"].get("ownerReferences") or [
+        client.ApiClient().sanitize_for_serialization(r) for r in current.metadata.owner_references or []
+    ]
+    return out
+
+
+def http_json(method: str, url: str, timeout: float, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """One small request to a worker. Returns (status, parsed body); status 0 when it could not be reached."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - worker URLs come from pod IPs
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, None

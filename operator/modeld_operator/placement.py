@@ -1,0 +1,255 @@
+"""Pure placement and fit decisions: where a Cell's pods may run, and which Cell a Session binds to.
+
+No cluster access here: handlers gather Nodes, Pods and Cells, these functions decide, handlers act. Everything is
+unit-tested without a cluster (LWS's planner/executor split).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import api
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    labels: dict[str, str]
+    allocatable_gpus: int
+    ready: bool
+    unschedulable: bool = False
+
+    @classmethod
+    def from_obj(cls, node: dict[str, Any]) -> NodeView:
+        meta, status, spec = node.get("metadata", {}), node.get("status", {}), node.get("spec", {})
+        alloc = (status.get("allocatable") or {}).get(api.RESOURCE_GPU, "0")
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        return cls(
+            name=meta["name"],
+            labels=dict(meta.get("labels") or {}),
+            allocatable_gpus=_int(alloc),
+            ready=conditions.get("Ready") == "True",
+            unschedulable=bool(spec.get("unschedulable")),
+        )
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return default
+
+
+def describe_topology(spec: api.CellSpec) -> str:
+    topo = spec.topology
+    if topo.gpus == 0:
+        return "a CPU node (interconnect none)"
+    text = f"{topo.gpus} GPU{'s' if topo.gpus > 1 else ''} over {topo.interconnect}"
+    if topo.products:
+        text += f" ({' or '.join(topo.products)})"
+    if topo.minGpuMemoryMiB:
+        text += f" with at least {topo.minGpuMemoryMiB} MiB each"
+    return text
+
+
+def node_mismatch(spec: api.CellSpec, node: NodeView) -> str | None:
+    """Why this node cannot host one pod of the cell, or None when it can (ignoring what other pods use)."""
+    topo = spec.topology
+    link = node.labels.get(api.LABEL_INTERCONNECT)
+    if link is None:
+        return f"no {api.LABEL_INTERCONNECT} label"
+    if link != topo.interconnect:
+        return f"interconnect {link}"
+    if topo.gpus:
+        count = _int(node.labels.get(api.LABEL_GPU_COUNT))
+        if count < topo.gpus:
+            return f"{count} GPUs"
+        product = node.labels.get(api.LABEL_GPU_PRODUCT, "")
+        if topo.products and product not in topo.products:
+            return f"GPU product {product or 'unknown'}"
+        memory = _int(node.labels.get(api.LABEL_GPU_MEMORY))
+        if topo.minGpuMemoryMiB and memory < topo.minGpuMemoryMiB:
+            return f"{memory} MiB per GPU"
+        if node.allocatable_gpus < topo.gpus:
+            return f"{node.allocatable_gpus} allocatable GPUs"
+    if node.unschedulable:
+        return "cordoned"
+    if not node.ready:
+        return "not Ready"
+    return None
+
+
+@dataclass
+class Placement:
+    nodes: list[str]
+    reason: str  # empty when nodes exist
+
+    @property
+    def schedulable(self) -> bool:
+        return bool(self.nodes)
+
+
+def place(spec: api.CellSpec, nodes: list[NodeView]) -> Placement:
+    """Nodes whose labels state the cell's certified topology, or a reason a person can act on."""
+    fits, misses = [], Counter()
+    for node in nodes:
+        why = node_mismatch(spec, node)
+        if why is None:
+            fits.append(node.name)
+        else:
+            misses[why] += 1
+    if fits:
+        return Placement(sorted(fits), "")
+    if not nodes:
+        return Placement([], "the cluster has no nodes")
+    detail = ", ".join(f"{n} node{'s' if n > 1 else ''} with {why}" for why, n in sorted(misses.items()))
+    return Placement([], f"no node offers {describe_topology(spec)}: {detail}")
+
+
+def node_affinity(spec: api.CellSpec) -> dict[str, Any]:
+    """Required node affinity on the certified topology labels: the scheduler may only bind pods there."""
+    topo = spec.topology
+    exprs: list[dict[str, Any]] = [{"key": api.LABEL_INTERCONNECT, "operator": "In", "values": [topo.interconnect]}]
+    if topo.gpus:
+        # Gt compares integers: "at least N" is "greater than N-1".
+        exprs.append({"key": api.LABEL_GPU_COUNT, "operator": "Gt", "values": [str(topo.gpus - 1)]})
+        if topo.products:
+            exprs.append({"key": api.LABEL_GPU_PRODUCT, "operator": "In", "values": list(topo.products)})
+        if topo.minGpuMemoryMiB:
+            exprs.append({"key": api.LABEL_GPU_MEMORY, "operator": "Gt", "values": [str(topo.minGpuMemoryMiB - 1)]})
+    return {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}
+
+
+def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any]:
+    """The cell pod: worker command, the cell spec in its environment (no volumes needed), GPUs, affinity."""
+    labels = {api.LABEL_CELL: name, api.LABEL_MANAGED_BY: "modeld", "app.kubernetes.io/name": "modeld-cell"}
+    if spec.localRun:
+        labels[api.LABEL_LOCAL_RUN] = "true"
+    resources: dict[str, dict[str, str]] = {
+        "requests": {k: v for k, v in spec.resources.requests.model_dump().items() if v},
+        "limits": {k: v for k, v in spec.resources.limits.model_dump().items() if v},
+    }
+    tolerations = []
+    if spec.topology.gpus:
+        resources["limits"][api.RESOURCE_GPU] = str(spec.topology.gpus)
+        tolerations.append({"key": api.RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"})
+    env = [
+        {"name": "MODELD_CELL_SPEC", "value": json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)},
+        {"name": "MODELD_CELL_NAME", "value": name},
+        {"name": "MODELD_CELL_NAMESPACE", "value": namespace},
+        {"name": "MODELD_CELL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "MODELD_CELL_PORT", "value": str(spec.port)},
+    ]
+    if spec.kvMemoryMiB:
+        env.append({"name": "MODELD_KV_MEMORY_MIB", "value": str(spec.kvMemoryMiB)})
+    probe = {"httpGet": {"path": "/readyz", "port": spec.port}, "periodSeconds": 5, "failureThreshold": 3}
+    container = {
+        "name": "worker",
+        "image": spec.image,
+        "command": ["modeld-cell", "serve"],
+        "ports": [{"name": "http", "containerPort": spec.port}],
+        "env": env,
+        "resources": {k: v for k, v in resources.items() if v},
+        "readinessProbe": probe,
+        "startupProbe": {**probe, "failureThreshold": 120},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": spec.port}, "periodSeconds": 10},
+    }
+    return {
+        "metadata": {"labels": labels},
+        "spec": {
+            "affinity": {"nodeAffinity": node_affinity(spec)},
+            "tolerations": tolerations,
+            "containers": [container],
+            "enableServiceLinks": False,
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 30,
+        },
+    }
+
+
+def deployment(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": f"cell-{name}",
+            "namespace": namespace,
+            "labels": {api.LABEL_CELL: name, api.LABEL_MANAGED_BY: "modeld"},
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": {api.LABEL_CELL: name}},
+            # A cell pod holds GPUs: replace, never surge beyond what the topology can host.
+            "strategy": {"type": "Recreate"},
+            "template": pod_template(name, namespace, spec),
+        },
+    }
+
+
+# --- Sessions -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CellView:
+    name: str
+    spec: api.CellSpec
+    ready_endpoints: list[api.Endpoint] = field(default_factory=list)
+    sessions: int = 0
+    certified: bool | None = None  # None: never certified
+    first_output_p90_ms: float | None = None
+
+
+@dataclass
+class Fit:
+    cell: CellView | None
+    endpoint: api.Endpoint | None
+    reason: str
+    permanent: bool = False  # no change in the cluster can make this session fit
+
+
+def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certified: bool = False) -> Fit:
+    """Bind by capability and workload fit: family, context tier, certification, latency budget, then least loaded."""
+    if session.cell:
+        cells = [c for c in cells if c.name == session.cell]
+        if not cells:
+            return Fit(None, None, f"pinned cell {session.cell} does not exist")
+        pinned = cells[0]
+        if pinned.spec.model.family != session.modelFamily:
+            return Fit(None, None, f"pinned cell {pinned.name} serves {pinned.spec.model.family}, not {session.modelFamily}", permanent=True)
+        if pinned.spec.contextTier < session.requiredContext:
+            return Fit(
+                None, None,
+                f"pinned cell {pinned.name} has a {pinned.spec.contextTier}-token context tier; the session needs {session.requiredContext}",
+                permanent=True,
+            )
+    rejected: Counter[str] = Counter()
+    candidates = []
+    for cell in cells:
+        if cell.spec.model.family != session.modelFamily:
+            rejected["another model family"] += 1
+        elif cell.spec.contextTier < session.requiredContext:
+            rejected["a smaller context tier"] += 1
+        elif require_certified and not cell.certified:
+            rejected["no certification"] += 1
+        elif (
+            session.latencyBudget is not None
+            and cell.first_output_p90_ms is not None
+            and cell.first_output_p90_ms > session.latencyBudget.firstOutputMs
+        ):
+            rejected["first-output p90 over the budget"] += 1
+        elif not cell.ready_endpoints:
+            rejected["no ready worker"] += 1
+        else:
+            candidates.append(cell)
+    if not candidates:
+        if not cells:
+            return Fit(None, None, f"no Cell serves model family {session.modelFamily} in this namespace")
+        detail = ", ".join(f"{n} with {why}" for why, n in sorted(rejected.items()))
+        return Fit(None, None, f"no cell fits {session.modelFamily} at {session.requiredContext} tokens: {detail}")
+    # Least loaded per ready worker; then the tightest context tier that fits (keeps big tiers for big sessions).
+    best = min(candidates, key=lambda c: (c.sessions / len(c.ready_endpoints), c.spec.contextTier, c.name))
+    endpoint = best.ready_endpoints[best.sessions % len(best.ready_endpoints)]
+    return Fit(best, endpoint, f"bound to {best.name}: {best.spec.model.family}, {best.spec.contextTier}-token tier")

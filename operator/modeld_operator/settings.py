@@ -1,0 +1,61 @@
+"""The operator's settings, read once from the environment (documented in docs/operator.md)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    namespace: str = ""
+    """MODELD_NAMESPACE: the namespace to watch; empty watches all namespaces (cluster-wide)."""
+    metrics_port: int = 8000
+    """MODELD_METRICS_PORT: Prometheus metrics on this port; 0 turns them off."""
+    status_interval: float = 5.0
+    """MODELD_STATUS_INTERVAL: seconds between refreshes of Cell and Session status from pods and workers."""
+    probe_endpoints: bool = True
+    """MODELD_PROBE_ENDPOINTS: ask each worker's /readyz before calling it ready (kubelet probes are not enough where
+    pods are simulated, and a second opinion costs one small request)."""
+    probe_timeout: float = 2.0
+    """MODELD_PROBE_TIMEOUT: seconds a worker has to answer /readyz or a session close."""
+    require_certified: bool = False
+    """MODELD_REQUIRE_CERTIFIED: bind Sessions only to Cells whose Certified condition is True."""
+    retry_delay: float = 10.0
+    """MODELD_RETRY_DELAY: seconds before retrying a Cell with no capacity or a Session with no fitting cell."""
+    watch_server_timeout: int = 60
+    """MODELD_WATCH_SERVER_TIMEOUT: seconds the apiserver keeps a watch open; a silent watch cannot hang the operator."""
+    watch_client_timeout: int = 90
+    """MODELD_WATCH_CLIENT_TIMEOUT: seconds the client waits on a watch before reconnecting."""
+    log_format: str = "json"
+    """MODELD_LOG_FORMAT: json (one object per line) or plain."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if env is None else env)
+        values = {}
+        for f in fields(cls):
+            key = "MODELD_" + f.name.upper()
+            if key not in env:
+                continue
+            raw = env[key]
+            try:
+                kind = type(f.default)
+                values[f.name] = _bool(raw) if kind is bool else kind(raw)
+            except ValueError as exc:
+                raise ValueError(f"{key}={raw!r}: {exc}") from None
+        settings = cls(**values)
+        if settings.log_format not in ("json", "plain"):
+            raise ValueError(f"MODELD_LOG_FORMAT={settings.log_format!r}: use json or plain")
+        return settings
+
+
+SETTINGS = Settings.from_env()

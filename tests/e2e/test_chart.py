@@ -1,0 +1,66 @@
+"""The Helm chart: lint, render accepted by the real apiserver, installed, least-privilege RBAC, values schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import RELEASE_NS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+CHART = str(Path(__file__).resolve().parents[2] / "charts" / "modeld")
+
+
+def rendered(cluster, *args: str) -> list[dict]:
+    out = cluster.run("helm", "template", "modeld", CHART, "-n", RELEASE_NS, "--kube-version", "1.34.4", *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_lint(cluster):
+    res = cluster.run("helm", "lint", "--strict", CHART, "--kube-version", "1.34.4", check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespace=agents"], ["--set", "metrics.enabled=false"]], ids=["default", "namespaced", "no-metrics"])
+def test_template_accepted_by_apiserver(cluster, chart, values):
+    docs = rendered(cluster, *values)
+    text = yaml.safe_dump_all(docs)
+    if "--set" in values and "watchNamespace=agents" in values:
+        cluster.kubectl("create", "namespace", "agents", check=False)
+    res = cluster.kubectl("apply", "--dry-run=server", "-n", RELEASE_NS, "-f", "-", input=text, check=False)
+    assert res.returncode == 0, res.stderr
+
+
+def test_rbac_is_least_privilege(cluster):
+    for values in ([], ["--set", "watchNamespace=agents"]):
+        for doc in rendered(cluster, *values):
+            if doc["kind"] in ("ClusterRole", "Role"):
+                for rule in doc["rules"]:
+                    for key in ("apiGroups", "resources", "verbs"):
+                        assert "*" not in rule[key], (doc["metadata"]["name"], rule)
+                    assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+            if doc["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+                assert doc["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
+
+
+def test_values_schema_rejects_bad_values(cluster):
+    for bad, message in [
+        (["--set", "replicaCount=3"], "replicaCount"),
+        (["--set", "operator.logFormat=xml"], "logFormat"),
+        (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "unknownKey=1"], "unknownKey"),
+    ]:
+        res = cluster.run("helm", "template", "modeld", CHART, "--kube-version", "1.34.4", *bad, check=False)
+        assert res.returncode != 0 and message in res.stderr, res.stderr
+
+
+def test_installed_release(cluster, chart):
+    status = cluster.run("helm", "status", chart, "-n", RELEASE_NS, "-o", "yaml").stdout
+    assert yaml.safe_load(status)["info"]["status"] == "deployed"
+    dep = cluster.get("deployment", "modeld", RELEASE_NS)
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "modeld"
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    for crd in ("cells.modeld.contenox.io", "sessions.modeld.contenox.io"):
+        assert cluster.get("crd", crd) is not None

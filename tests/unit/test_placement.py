@@ -1,0 +1,173 @@
+"""Placement and fit are pure functions: tested here without a cluster."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from modeld_operator import api, placement
+
+pytestmark = pytest.mark.unit
+
+
+def cell_spec(**overrides) -> api.CellSpec:
+    spec = {
+        "runtime": {"backend": "triton"},
+        "topology": {"gpus": 8, "interconnect": "nvlink"},
+        "model": {"family": "llama3", "ref": "/models/llama3"},
+        "contextTier": 32768,
+    }
+    for key, value in overrides.items():
+        spec[key] = value
+    return api.CellSpec.model_validate(spec)
+
+
+def node(name, link, gpus=0, product="", memory=0, ready=True, alloc=None) -> placement.NodeView:
+    labels = {api.LABEL_INTERCONNECT: link}
+    if gpus:
+        labels |= {api.LABEL_GPU_COUNT: str(gpus), api.LABEL_GPU_PRODUCT: product, api.LABEL_GPU_MEMORY: str(memory)}
+    return placement.NodeView(name, labels, gpus if alloc is None else alloc, ready)
+
+
+NODES = [
+    node("hgx-0", "nvswitch", 8, "NVIDIA-H100-80GB-HBM3", 81559),
+    node("a100-0", "nvlink", 4, "NVIDIA-A100-SXM4-80GB", 81920),
+    node("a100x8-0", "nvlink", 8, "NVIDIA-A100-SXM4-80GB", 81920),
+    node("l40s-0", "pcie", 4, "NVIDIA-L40S", 46068),
+    node("ws-0", "pcie", 2, "NVIDIA-GeForce-RTX-4090", 24564),
+    node("cpu-0", "none"),
+]
+
+
+@pytest.mark.parametrize(
+    "topology, expected",
+    [
+        ({"gpus": 8, "interconnect": "nvlink"}, ["a100x8-0"]),
+        ({"gpus": 4, "interconnect": "nvlink"}, ["a100-0", "a100x8-0"]),
+        ({"gpus": 8, "interconnect": "nvswitch"}, ["hgx-0"]),
+        ({"gpus": 2, "interconnect": "pcie"}, ["l40s-0", "ws-0"]),
+        ({"gpus": 2, "interconnect": "pcie", "minGpuMemoryMiB": 40000}, ["l40s-0"]),
+        ({"gpus": 1, "interconnect": "none", "products": ["NVIDIA-L40S"]}, []),
+        ({"gpus": 4, "interconnect": "pcie", "products": ["NVIDIA-L40S"]}, ["l40s-0"]),
+    ],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None,
+)
+def test_place_matches_labels_exactly(topology, expected):
+    assert placement.place(cell_spec(topology=topology), NODES).nodes == expected
+
+
+def test_cpu_cell_goes_to_cpu_nodes_only():
+    spec = cell_spec(runtime={"backend": "torch"}, topology={"gpus": 0, "interconnect": "none"})
+    assert placement.place(spec, NODES).nodes == ["cpu-0"]
+
+
+def test_impossible_cell_says_why():
+    spec = cell_spec(topology={"gpus": 16, "interconnect": "nvswitch"})
+    plan = placement.place(spec, NODES)
+    assert not plan.schedulable
+    assert plan.reason.startswith("no node offers 16 GPUs over nvswitch")
+    assert "1 node with 8 GPUs" in plan.reason
+    assert "2 nodes with interconnect pcie" in plan.reason
+
+
+def test_not_ready_and_exhausted_nodes_are_excluded():
+    nodes = [node("a", "nvlink", 8, "X", 1, ready=False), node("b", "nvlink", 8, "X", 1, alloc=4)]
+    plan = placement.place(cell_spec(), nodes)
+    assert plan.nodes == []
+    assert "not Ready" in plan.reason and "4 allocatable GPUs" in plan.reason
+
+
+def test_empty_cluster():
+    assert placement.place(cell_spec(), []).reason == "the cluster has no nodes"
+
+
+def test_node_affinity_states_topology():
+    spec = cell_spec(topology={"gpus": 4, "interconnect": "pcie", "products": ["NVIDIA-L40S"], "minGpuMemoryMiB": 40000})
+    exprs = placement.node_affinity(spec)["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"
+    ]
+    assert {"key": api.LABEL_INTERCONNECT, "operator": "In", "values": ["pcie"]} in exprs
+    assert {"key": api.LABEL_GPU_COUNT, "operator": "Gt", "values": ["3"]} in exprs
+    assert {"key": api.LABEL_GPU_PRODUCT, "operator": "In", "values": ["NVIDIA-L40S"]} in exprs
+    assert {"key": api.LABEL_GPU_MEMORY, "operator": "Gt", "values": ["39999"]} in exprs
+
+
+def test_deployment_requests_gpus_and_carries_spec():
+    spec = cell_spec(localRun=True, kvMemoryMiB=512)
+    dep = placement.deployment("big", "ns", spec)
+    pod = dep["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"][api.RESOURCE_GPU] == "8"
+    assert pod["metadata"]["labels"][api.LABEL_LOCAL_RUN] == "true"
+    assert pod["spec"]["tolerations"] == [{"key": api.RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    env = {e["name"]: e for e in container["env"]}
+    carried = api.CellSpec.model_validate_json(env["MODELD_CELL_SPEC"]["value"])
+    assert carried == spec  # the worker gets the whole tuple with no volume
+    assert env["MODELD_CELL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["MODELD_KV_MEMORY_MIB"]["value"] == "512"
+    assert dep["spec"]["selector"]["matchLabels"] == {api.LABEL_CELL: "big"}
+
+
+def test_cpu_cell_pod_has_no_gpu_or_toleration():
+    spec = cell_spec(runtime={"backend": "torch"}, topology={"gpus": 0, "interconnect": "none"})
+    pod = placement.pod_template("c", "ns", spec)
+    assert pod["spec"]["tolerations"] == []
+    assert api.RESOURCE_GPU not in pod["spec"]["containers"][0].get("resources", {}).get("limits", {})
+    assert api.LABEL_LOCAL_RUN not in pod["metadata"]["labels"]
+
+
+# --- sessions -----------------------------------------------------------------------------------------------------
+
+EP = [api.Endpoint(pod="p0", url="http://127.20.0.2:8080", ready=True)]
+
+
+def view(name, family="smollm2", tier=8192, endpoints=EP, sessions=0, certified=None, p90=None):
+    spec = cell_spec(
+        runtime={"backend": "torch"},
+        topology={"gpus": 0, "interconnect": "none"},
+        model={"family": family, "ref": "x"},
+        contextTier=tier,
+    )
+    return placement.CellView(name, spec, list(endpoints), sessions, certified, p90)
+
+
+def session(**kw) -> api.SessionSpec:
+    return api.SessionSpec.model_validate({"modelFamily": "smollm2", "requiredContext": 4000} | kw)
+
+
+def test_binds_tightest_fitting_least_loaded():
+    cells = [view("big", tier=32768), view("small", tier=4096), view("mid", tier=8192), view("tiny", tier=2048)]
+    assert placement.choose_cell(session(), cells).cell.name == "small"
+    cells[1].sessions = 3
+    assert placement.choose_cell(session(), cells).cell.name == "mid"
+
+
+def test_no_fit_reasons():
+    cells = [view("other", family="llama3"), view("short", tier=2048), view("down", endpoints=[])]
+    fit = placement.choose_cell(session(), cells)
+    assert fit.cell is None and not fit.permanent
+    assert "1 with a smaller context tier" in fit.reason
+    assert "1 with another model family" in fit.reason
+    assert "1 with no ready worker" in fit.reason
+
+
+def test_latency_budget_and_certification():
+    cells = [view("slow", p90=900.0, certified=True), view("fast", tier=16384, p90=100.0, certified=False)]
+    s = session(latencyBudget={"firstOutputMs": 500})
+    assert placement.choose_cell(s, cells).cell.name == "fast"
+    fit = placement.choose_cell(s, cells, require_certified=True)
+    assert fit.cell is None and "no certification" in fit.reason and "over the budget" in fit.reason
+
+
+def test_pinned_cell():
+    cells = [view("a"), view("b", tier=2048), view("c", family="llama3")]
+    assert placement.choose_cell(session(cell="a"), cells).cell.name == "a"
+    assert placement.choose_cell(session(cell="b"), cells).permanent
+    assert placement.choose_cell(session(cell="c"), cells).permanent
+    missing = placement.choose_cell(session(cell="zzz"), cells)
+    assert missing.cell is None and not missing.permanent
+
+
+def test_spec_roundtrip_is_stable():
+    spec = cell_spec()
+    assert api.CellSpec.model_validate(copy.deepcopy(spec.model_dump(mode="json"))) == spec
