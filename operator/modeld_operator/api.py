@@ -205,7 +205,7 @@ CELL_SPEC_RULES = [
         field_path=".runtime.backend",
     ),
     cel(
-        "self.topology.gpus >= 1 || size(self.topology.products) == 0",
+        "self.topology.gpus >= 1 || !has(self.topology.products) || size(self.topology.products) == 0",
         "topology.products names GPU products, but this is a CPU cell (topology.gpus: 0)",
         field_path=".topology.products",
     ),

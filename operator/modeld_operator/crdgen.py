@@ -66,7 +66,8 @@ def _default_nested_objects(schema: dict[str, Any]) -> None:
     required = set(schema.get("required", []))
     for name, prop in schema.get("properties", {}).items():
         if prop.get("type") == "object" and "properties" in prop:
-            if name not in required and "default" not in prop:
+            # Only where {} is itself valid: an optional object with required fields stays absent until given.
+            if name not in required and "default" not in prop and not prop.get("required"):
                 prop["default"] = {}
             _default_nested_objects(prop)
 

@@ -29,7 +29,7 @@ def test_template_accepted_by_apiserver(cluster, chart, values):
     text = yaml.safe_dump_all(docs)
     if "--set" in values and "watchNamespace=agents" in values:
         cluster.kubectl("create", "namespace", "agents", check=False)
-    res = cluster.kubectl("apply", "--dry-run=server", "-n", RELEASE_NS, "-f", "-", input=text, check=False)
+    res = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=text, check=False)
     assert res.returncode == 0, res.stderr
 
 
