@@ -34,8 +34,8 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 FAMILY_PATTERN = r"^[a-z0-9][a-z0-9.-]{0,62}$"
 
 
-def cel(rule: str, message: str, reason: str | None = None, field_path: str | None = None) -> dict[str, str]:
-    out = {"rule": rule, "message": message}
+def cel(rule: str, message: str, reason: str | None = None, field_path: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"rule": rule, "message": message}
     if reason:
         out["reason"] = reason
     if field_path:
@@ -172,7 +172,7 @@ class Resources(_Model):
     limits: ResourceList = Field(default_factory=ResourceList, description="CPU and memory limits per cell pod.")
 
 
-CELL_SPEC_RULES = [
+CELL_SPEC_RULES: list[Any] = [
     cel(
         "self.runtime.parallelism == 'single' || self.topology.gpus >= 2",
         "runtime.parallelism tensor, pipeline, data and sharded-kv split work across GPUs: topology.gpus must be at least 2",
@@ -249,7 +249,7 @@ class LatencyBudget(_Model):
     perTokenMs: int | None = Field(default=None, ge=1, le=60000, description="Per-token decode latency, p90, in ms.")
 
 
-SESSION_SPEC_RULES = [
+SESSION_SPEC_RULES: list[Any] = [
     cel(
         "!has(oldSelf.cell) || (has(self.cell) && self.cell == oldSelf.cell)",
         "spec.cell is immutable: a session cannot move to another cell; create a new Session",

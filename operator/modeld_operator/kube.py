@@ -49,6 +49,13 @@ def apps() -> client.AppsV1Api:
     return client.AppsV1Api()
 
 
+def namespaced(namespace: str | None) -> str:
+    """Cells and Sessions are namespaced; kopf types the namespace as optional for cluster-scoped kinds."""
+    if not namespace:
+        raise kopf.PermanentError("modeld objects are namespaced, but this one has no namespace")
+    return namespace
+
+
 def patch_status(plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
     try:
         custom().patch_namespaced_custom_object_status(
@@ -72,7 +79,7 @@ def patch_labels(plural: str, namespace: str, name: str, labels: dict[str, str |
 
 def list_objects(plural: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
     try:
-        res = custom().list_namespaced_custom_object(
+        res: Any = custom().list_namespaced_custom_object(
             api.GROUP, api.VERSION, namespace, plural, label_selector=label_selector
         )
     except ApiException as exc:
@@ -82,7 +89,8 @@ def list_objects(plural: str, namespace: str, label_selector: str = "") -> list[
 
 def get_object(plural: str, namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, plural, name)
+        obj: dict[str, Any] = custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, plural, name)  # type: ignore[assignment]
+        return obj
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -110,23 +118,25 @@ def apply_deployment(manifest: dict[str, Any]) -> None:
     """Create, or patch to the desired state (a strategic merge of our own fields)."""
     name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
     try:
-        apps().create_namespaced_deployment(namespace, manifest)
+        apps().create_namespaced_deployment(namespace, manifest)  # type: ignore[arg-type]  # the client takes dicts
         return
     except ApiException as exc:
         if exc.status != 409:
             _raise(exc, f"creating deployment {name}")
     try:
-        apps().replace_namespaced_deployment(name, namespace, _with_version(namespace, name, manifest))
+        apps().replace_namespaced_deployment(name, namespace, _with_version(namespace, name, manifest))  # type: ignore[arg-type]
     except ApiException as exc:
         _raise(exc, f"updating deployment {name}")
 
 
 def _with_version(namespace: str, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
     current = apps().read_namespaced_deployment(name, namespace)
+    meta = current.metadata
+    assert meta is not None, "a stored Deployment has metadata"
     out = json.loads(json.dumps(manifest))
-    out["metadata"]["resourceVersion"] = current.metadata.resource_version
+    out["metadata"]["resourceVersion"] = meta.resource_version
     out["metadata"]["ownerReferences"] = manifest["metadata"].get("ownerReferences") or [
-        client.ApiClient().sanitize_for_serialization(r) for r in current.metadata.owner_references or []
+        client.ApiClient().sanitize_for_serialization(r) for r in meta.owner_references or []
     ]
     return out
 

@@ -94,7 +94,8 @@ class Placement:
 
 def place(spec: api.CellSpec, nodes: list[NodeView]) -> Placement:
     """Nodes whose labels state the cell's certified topology, or a reason a person can act on."""
-    fits, misses = [], Counter()
+    fits: list[str] = []
+    misses: Counter[str] = Counter()
     for node in nodes:
         why = node_mismatch(spec, node)
         if why is None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 
 def _bool(value: str) -> bool:
@@ -12,6 +14,9 @@ def _bool(value: str) -> bool:
     if value.lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {value!r}")
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, str: str}
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
         env = dict(os.environ if env is None else env)
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             key = "MODELD_" + f.name.upper()
             if key not in env:
@@ -49,7 +54,7 @@ class Settings:
             raw = env[key]
             try:
                 kind = type(f.default)
-                values[f.name] = _bool(raw) if kind is bool else kind(raw)
+                values[f.name] = _bool(raw) if kind is bool else _PARSERS[kind](raw)
             except ValueError as exc:
                 raise ValueError(f"{key}={raw!r}: {exc}") from None
         settings = cls(**values)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from modeld_operator import crdgen
 from modeld_operator.settings import Settings
 
@@ -47,7 +48,7 @@ def test_operator_never_imports_torch_or_worker():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             for name in names:
-                assert not name.split(".")[0] in ("torch", "triton", "modeld_cell"), f"{path}: imports {name}"
+                assert name.split(".")[0] not in ("torch", "triton", "modeld_cell"), f"{path}: imports {name}"
 
 
 def test_settings_from_env():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from modeld_operator import api, placement
 
 pytestmark = pytest.mark.unit

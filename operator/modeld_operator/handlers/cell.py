@@ -7,14 +7,14 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from .. import api, kube, metrics, placement
-from ..conditions import get_condition, set_condition
-from ..settings import SETTINGS
+from modeld_operator import api, kube, metrics, placement
+from modeld_operator.conditions import get_condition, set_condition
+from modeld_operator.settings import SETTINGS
 
 CELLS = (api.GROUP, api.VERSION, "cells")
 
 
-def parse_spec(spec: dict[str, Any]) -> api.CellSpec:
+def parse_spec(spec: Any) -> api.CellSpec:
     try:
         return api.CellSpec.model_validate(dict(spec))
     except ValidationError as exc:
@@ -58,6 +58,7 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
     generation = body.get("metadata", {}).get("generation")
     old = dict(body.get("status") or {})
 
+    sched: tuple[bool | None, str, str]
     if spec.replicas == 0:
         phase, sched = "Stopped", (None, "ScaledToZero", "spec.replicas is 0")
     elif not plan.schedulable:
@@ -76,10 +77,10 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         f"{ready}/{spec.replicas} workers answer /readyz",
     )
 
-    conditions, changed_sched = set_condition(old.get("conditions"), "Scheduled", *sched, generation)
-    conditions, changed_ready = set_condition(conditions, "Ready", *ready_cond, generation)
+    conditions, changed_sched = set_condition(old.get("conditions"), "Scheduled", sched[0], sched[1], sched[2], generation)
+    conditions, changed_ready = set_condition(conditions, "Ready", ready_cond[0], ready_cond[1], ready_cond[2], generation)
     if get_condition(conditions, "Certified") is None:
-        conditions, _ = set_condition(conditions, "Certified", None, "NotCertified", "not measured yet", generation)
+        conditions, _changed = set_condition(conditions, "Certified", None, "NotCertified", "not measured yet", generation)
 
     status = api.CellStatus(
         phase=phase,
@@ -105,7 +106,8 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
 @kopf.on.resume(*CELLS)
 @kopf.on.create(*CELLS)
 @kopf.on.update(*CELLS, field="spec")
-def reconcile(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], logger: Any, **_: Any) -> None:
+def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, logger: Any, **_: Any) -> None:
+    namespace = kube.namespaced(namespace)
     cell = parse_spec(spec)
     manifest = placement.deployment(name, namespace, cell)
     kopf.append_owner_reference(manifest, owner=body)
@@ -119,18 +121,20 @@ def reconcile(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], 
 
 
 @kopf.timer(*CELLS, interval=SETTINGS.status_interval, initial_delay=1.0)
-def watch_status(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], **_: Any) -> None:
+def watch_status(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **_: Any) -> None:
+    namespace = kube.namespaced(namespace)
     refresh_status(name, namespace, body, parse_spec(spec))
 
 
 @kopf.on.delete(*CELLS)
-def release_sessions(name: str, namespace: str, logger: Any, **_: Any) -> None:
+def release_sessions(name: str, namespace: str | None, logger: Any, **_: Any) -> None:
     """The Deployment goes with its owner; sessions bound here go back to Pending and get rebound."""
+    namespace = kube.namespaced(namespace)
     for sess in kube.list_objects("sessions", namespace, f"{api.LABEL_CELL}={name}"):
         sname = sess["metadata"]["name"]
         kube.patch_labels("sessions", namespace, sname, {api.LABEL_CELL: None})
         old = sess.get("status") or {}
-        conditions, _ = set_condition(
+        conditions, _changed = set_condition(
             old.get("conditions"), "Bound", False, "CellDeleted", f"cell {name} was deleted", sess["metadata"].get("generation")
         )
         kube.patch_status(

@@ -9,9 +9,9 @@ from urllib.parse import quote
 import kopf
 from pydantic import ValidationError
 
-from .. import api, kube, metrics, placement
-from ..conditions import now, set_condition
-from ..settings import SETTINGS
+from modeld_operator import api, kube, metrics, placement
+from modeld_operator.conditions import now, set_condition
+from modeld_operator.settings import SETTINGS
 
 SESSIONS = (api.GROUP, api.VERSION, "sessions")
 
@@ -93,7 +93,7 @@ def _binding_alive(namespace: str, status: dict[str, Any]) -> bool:
     return any(e.get("url") == status.get("endpoint") and e.get("ready") for e in endpoints)
 
 
-def parse_spec(spec: dict[str, Any]) -> api.SessionSpec:
+def parse_spec(spec: Any) -> api.SessionSpec:
     try:
         return api.SessionSpec.model_validate(dict(spec))
     except ValidationError as exc:
@@ -103,7 +103,8 @@ def parse_spec(spec: dict[str, Any]) -> api.SessionSpec:
 @kopf.on.resume(*SESSIONS)
 @kopf.on.create(*SESSIONS)
 @kopf.on.update(*SESSIONS, field="spec")
-def bind(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], **_: Any) -> None:
+def bind(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **_: Any) -> None:
+    namespace = kube.namespaced(namespace)
     status = body.get("status") or {}
     if status.get("phase") == "Bound" and _binding_alive(namespace, status):
         return
@@ -111,8 +112,9 @@ def bind(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], **_: 
 
 
 @kopf.timer(*SESSIONS, interval=SETTINGS.status_interval, initial_delay=2.0)
-def keep_bound(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any], logger: Any, **_: Any) -> None:
+def keep_bound(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, logger: Any, **_: Any) -> None:
     """A bound session whose worker went away is rebound; a pending one is retried."""
+    namespace = kube.namespaced(namespace)
     status = body.get("status") or {}
     if status.get("phase") == "Bound":
         if _binding_alive(namespace, status):
@@ -126,8 +128,9 @@ def keep_bound(name: str, namespace: str, body: kopf.Body, spec: dict[str, Any],
 
 
 @kopf.on.delete(*SESSIONS)
-def unbind(name: str, namespace: str, body: kopf.Body, logger: Any, **_: Any) -> None:
+def unbind(name: str, namespace: str | None, body: kopf.Body, logger: Any, **_: Any) -> None:
     """Free the session's KV on its worker; best effort, since the worker may be gone already."""
+    namespace = kube.namespaced(namespace)
     status = body.get("status") or {}
     endpoint, session_id = status.get("endpoint"), status.get("sessionId")
     if endpoint and session_id:

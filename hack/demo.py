@@ -1,0 +1,68 @@
+"""A real multi-turn agent exchange through a bound Session: the agent runtime's side of the contract.
+
+Reads the Session's status (endpoint, worker session id) with kubectl, then runs turns that each re-send the whole
+growing transcript with EnsurePrefix (the worker reuses what it holds and computes only the new part), decode a
+reply, and print the trace's token accounting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+SYSTEM = "You are a concise assistant inside a coding agent. Answer in one short sentence."
+TURNS = [
+    "What is the capital of France?",
+    "Tool output (ls):\nREADME.md\nMakefile\noperator/\ncellimage/\ncharts/\nWhich folder holds the Helm chart?",
+    "Tool output (cat Makefile | head -3):\n# Everyday targets.\nSHELL := /bin/bash\nWhat does the first line say?",
+]
+
+
+def call(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        sys.exit(f"{url}: HTTP {exc.code}: {exc.read().decode()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kubectl", default="kubectl")
+    ap.add_argument("--namespace", required=True)
+    ap.add_argument("--session", required=True)
+    ap.add_argument("--max-tokens", type=int, default=40)
+    args = ap.parse_args()
+    raw = subprocess.run(
+        [args.kubectl, "get", "session", args.session, "-n", args.namespace, "-o", "json"], capture_output=True, text=True, check=True
+    ).stdout
+    status = json.loads(raw)["status"]
+    base, sid = status["endpoint"], status["sessionId"]
+    print(f"session {args.namespace}/{args.session} -> cell {status['cell']} at {base} (worker session {sid})")
+    with urllib.request.urlopen(f"{base}/v1/capability", timeout=30) as resp:
+        cap = json.loads(resp.read())
+    print("capability:", json.dumps({k: cap[k] for k in list(cap)[:8]}, default=str)[:400])
+    messages = [{"role": "system", "content": SYSTEM}]
+    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>8} {'prefill ms':>10} {'generated':>9} {'decode ms':>9}  reply")
+    for i, user in enumerate(TURNS, 1):
+        messages.append({"role": "user", "content": user})
+        pre = call(f"{base}/v1/sessions/{sid}/prefix", {"messages": messages, "add_generation_prompt": True})
+        out = call(f"{base}/v1/sessions/{sid}/decode", {"max_tokens": args.max_tokens, "stop": ["\n"]})
+        reply = out["text"].strip()
+        messages.append({"role": "assistant", "content": reply})
+        t, d = pre["trace"], out["trace"]
+        print(
+            f"{i:>4} {t['prompt_tokens']:>7} {t['tokens_reused']:>7} {t['tokens_computed']:>8} {t['prefill_ms']:>10.0f}"
+            f" {d['completion_tokens']:>9} {d['total_ms']:>9.0f}  {reply}"
+        )
+    totals = out["trace"]["totals"]
+    print("session totals:", json.dumps(totals))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The main job on one machine: a real local control plane with fake GPU nodes, the chart installed, the operator
+# running as the chart's ServiceAccount, the CPU cell (a real worker on SmolLM2-135M-Instruct) and a Session bound to
+# it, then a real multi-turn agent exchange through the session's endpoint.
+# The cluster stays up afterwards for exploring: `export KUBECONFIG=$(MODELD_CLUSTER=demo hack/cluster env ...)`;
+# stop it with `MODELD_CLUSTER=demo hack/cluster down`.
+set -o errexit -o nounset -o pipefail
+cd "$(dirname "$0")/.."
+export MODELD_CLUSTER=${MODELD_CLUSTER:-demo} MODELD_PORT_BASE=${MODELD_PORT_BASE:-28440}
+export MODELD_POD_CIDR=${MODELD_POD_CIDR:-127.40.0.0/16}
+NS=${MODELD_DEMO_NAMESPACE:-agents}
+
+hack/setup.sh
+hack/cluster up
+bin=$(hack/build-tools.sh | tail -1)
+dir=$HOME/.cache/modeld/clusters/$MODELD_CLUSTER
+export KUBECONFIG=$dir/kubeconfig
+k() { "$bin/kubectl" "$@"; }
+
+echo "== helm install modeld"
+"$bin/helm" upgrade --install modeld charts/modeld -n modeld-system --create-namespace \
+  --set operator.statusIntervalSeconds=2 >/dev/null
+k wait --for=condition=Established crd/cells.modeld.contenox.io crd/sessions.modeld.contenox.io --timeout=60s >/dev/null
+
+echo "== the operator, as the chart's ServiceAccount (its RBAC and no more)"
+token=$(k create token modeld -n modeld-system --duration=24h)
+sed -e '/^users:/,$d' "$KUBECONFIG" > "$dir/operator.kubeconfig"
+printf 'users:\n- name: modeld-admin\n  user:\n    token: %s\ncontexts:\n- name: modeld-%s\n  context: {cluster: modeld-%s, user: modeld-admin}\ncurrent-context: modeld-%s\n' \
+  "$token" "$MODELD_CLUSTER" "$MODELD_CLUSTER" "$MODELD_CLUSTER" >> "$dir/operator.kubeconfig"
+if ! { [[ -f $dir/operator.pid ]] && kill -0 "$(cat "$dir/operator.pid")" 2>/dev/null; }; then
+  KUBECONFIG=$dir/operator.kubeconfig MODELD_STATUS_INTERVAL=2 MODELD_METRICS_PORT=0 MODELD_LOG_FORMAT=plain \
+    setsid .venv/bin/python -m modeld_operator >"$dir/operator.log" 2>&1 < /dev/null &
+  echo $! > "$dir/operator.pid"
+fi
+
+echo "== a CPU cell and a session in namespace $NS"
+k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
+k apply -n "$NS" -f examples/cell-cpu.yaml -f examples/session.yaml
+# The HGX and L40S cells are placed on their topologies too (their pods are simulated: no worker runs there).
+k apply -n "$NS" -f examples/cell-h100-nvswitch.yaml -f examples/cell-l40s-pcie.yaml
+k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready cell/smollm2-cpu --timeout=600s >/dev/null
+k wait -n "$NS" --for=jsonpath='{.status.phase}'=Bound session/agent-1 --timeout=120s >/dev/null
+k get -n "$NS" cells,sessions -o wide
+echo
+echo "== a real multi-turn agent exchange through the bound session"
+.venv/bin/python hack/demo.py --kubectl "$bin/kubectl" --namespace "$NS" --session agent-1
+echo
+echo "cluster left running: export KUBECONFIG=$KUBECONFIG; stop it with: MODELD_CLUSTER=$MODELD_CLUSTER hack/cluster down"
