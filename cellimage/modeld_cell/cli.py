@@ -1,0 +1,173 @@
+"""``modeld-cell``: serve a cell over HTTP, or print its capability report.
+
+    modeld-cell serve [--cell FILE] [--host H] [--port P] [--model PATH]
+    modeld-cell capability [--cell FILE] [--model PATH]
+
+The cell comes from ``--cell`` (a Cell manifest or a bare spec, YAML or JSON), else ``MODELD_CELL_SPEC`` (JSON, so a
+pod needs no volume), else the embedded laptop cell ``cells/laptop-cpu.yaml``. Flags win over environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import logs
+from .settings import Settings
+
+log = logging.getLogger("modeld_cell.cli")
+DEFAULT_CELL = "cells/laptop-cpu.yaml"
+
+
+class SpecError(ValueError):
+    """The cell spec cannot be read or is invalid; the message says which field and why."""
+
+
+def load_spec(cell_file: str | None, settings: Settings) -> dict[str, Any]:
+    """The validated Cell ``.spec`` as a plain dict, with MODELD_KV_MEMORY_MIB applied."""
+    if cell_file:
+        try:
+            obj = yaml.safe_load(Path(cell_file).read_text())  # YAML is a superset of JSON
+        except (OSError, yaml.YAMLError) as e:
+            raise SpecError(f"cannot read cell file {cell_file}: {e}") from None
+        source = cell_file
+    elif settings.cell_spec is not None:
+        obj, source = settings.cell_spec, "MODELD_CELL_SPEC"
+    else:
+        obj = yaml.safe_load(resources.files("modeld_cell").joinpath(DEFAULT_CELL).read_text())
+        source = f"embedded {DEFAULT_CELL}"
+    if not isinstance(obj, dict):
+        raise SpecError(f"{source}: a Cell manifest or spec must be a mapping")
+    spec = _validate(obj, source)
+    if settings.kv_memory_mib is not None:
+        spec["kvMemoryMiB"] = settings.kv_memory_mib
+    return spec
+
+
+def _validate(obj: dict[str, Any], source: str) -> dict[str, Any]:
+    try:
+        from modeld_operator.api import parse_cell_spec
+    except ImportError:
+        pass
+    else:
+        from pydantic import ValidationError
+
+        try:
+            return parse_cell_spec(obj).model_dump(mode="json", exclude_none=True)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors(include_url=False)
+            )
+            raise SpecError(f"{source}: invalid Cell spec: {problems}") from None
+    # The worker image may be built without the operator package; then only the fields the engine reads are checked.
+    spec = obj["spec"] if "spec" in obj and ("kind" in obj or "apiVersion" in obj) else obj
+    for key in ("runtime", "topology", "model", "contextTier"):
+        if key not in spec:
+            raise SpecError(f"{source}: invalid Cell spec: {key}: field required")
+    if not isinstance(spec["contextTier"], int) or spec["contextTier"] < 1:
+        raise SpecError(f"{source}: invalid Cell spec: contextTier: must be a positive integer")
+    return dict(spec)
+
+
+def model_name(spec: dict[str, Any]) -> str:
+    """A short served-model name for metrics labels: the weights file's stem, else the family."""
+    ref = str(spec.get("model", {}).get("ref", ""))
+    stem = Path(ref.split("#", 1)[-1]).name
+    for ext in (".gguf", ".safetensors"):
+        stem = stem.removesuffix(ext)
+    return stem or str(spec.get("model", {}).get("family", ""))
+
+
+def build_engine(spec: dict[str, Any], settings: Settings) -> Any:
+    from .engine import Engine, EngineSettings
+
+    engine_settings = EngineSettings.from_env()
+    if settings.threads:
+        engine_settings.threads = settings.threads  # MODELD_THREADS wins over the engine's MODELD_TORCH_THREADS
+    return Engine.from_cell(spec, model_path=settings.model_path, settings=engine_settings)
+
+
+async def serve(settings: Settings, spec: dict[str, Any]) -> int:
+    from aiohttp import web
+
+    from .server import WORKER, create_app
+
+    app = create_app(settings, model_name=model_name(spec))
+    # handler_cancellation: a client that disconnects cancels its request, so the engine stops working for nobody
+    # (the engine leaves the session consistent on cancellation). aiohttp's test server does the same, so the
+    # tests exercise this behaviour. access_log=None: the server logs its own structured line per request.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    log.info("listening; loading the model", extra={"fields": {"host": settings.host, "port": settings.port}})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # /healthz answers while the model loads (minutes for big models); /readyz says not_ready until it is attached.
+    load = asyncio.ensure_future(asyncio.to_thread(build_engine, spec, settings))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if load.done():
+            try:
+                engine = load.result()
+            except Exception:
+                log.exception("the engine failed to load")
+                return 1
+            app[WORKER].attach(engine)
+            log.info("ready", extra={"fields": {"model": model_name(spec)}})
+            await stopping
+        log.info("shutting down")
+        return 0
+    finally:
+        stopping.cancel()
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="modeld-cell", description="The modeld cell worker.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="serve the session contract over HTTP")
+    p_cap = sub.add_parser("capability", help="load the cell and print its capability report (JSON)")
+    for p in (p_serve, p_cap):
+        p.add_argument("--cell", metavar="FILE", help="Cell manifest or bare spec (YAML/JSON)")
+        p.add_argument("--model", metavar="PATH", help="local weights file (overrides MODELD_MODEL_PATH)")
+    p_serve.add_argument("--host", help="bind address (overrides MODELD_CELL_HOST)")
+    p_serve.add_argument("--port", type=int, help="port (overrides MODELD_CELL_PORT, then the spec's port)")
+    args = ap.parse_args(argv)
+
+    try:
+        settings = Settings.from_env(model_path=args.model, host=getattr(args, "host", None),
+                                     port=getattr(args, "port", None))
+    except ValueError as e:
+        print(f"modeld-cell: {e}", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(args.cell, settings)
+    except SpecError as e:
+        print(f"modeld-cell: {e}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level)
+
+    if args.command == "capability":
+        print(json.dumps(build_engine(spec, settings).capability(), indent=2, sort_keys=True, default=str))
+        return 0
+    if settings.port is None:
+        settings = dataclasses.replace(settings, port=int(spec.get("port", 8080)))
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(serve(settings, spec))
+    return 0

@@ -1,0 +1,179 @@
+"""Paged KV cache: fixed-size blocks, a free list, per-session block tables, an explicit byte budget.
+
+Layout (vLLM "NHD", what ``kernels/paged_decode`` reads):
+    k[layer]: [num_blocks, BLOCK_SIZE, Hkv, D]      v[layer]: the same
+The whole pool is allocated once, at the budget; sessions own lists of block ids (their block tables). Allocation
+checks the free list first and raises ``errors.Overflow`` before touching any state, so a refused request leaves
+every session as it was.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import errors
+
+DEFAULT_BLOCK_SIZE = 16            # tokens per block
+DEFAULT_KV_MEMORY_MIB = 1024       # budget when the spec gives no kvMemoryMiB
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How K/V are stored. fp32 / bf16 store the values as they are; quantized formats (int8, fp8 e4m3, owned by
+    ``kernels/quant_kv``) will add scales and their own write/read. ``storage`` is the pool's element dtype."""
+
+    name: str
+    storage: torch.dtype
+    quantized: bool = False
+
+    @property
+    def bytes_per_element(self) -> int:
+        return torch.empty((), dtype=self.storage).element_size()
+
+
+KV_FORMATS = {
+    "fp32": KVFormat("fp32", torch.float32),
+    "bf16": KVFormat("bf16", torch.bfloat16),
+    "fp16": KVFormat("fp16", torch.float16),
+}
+# Hook for the kernels team: quantized formats register here (with their scale tensors and write/read functions).
+QUANTIZED_KV_FORMATS = ("int8", "fp8", "fp8_e4m3", "int4")
+
+
+def kv_format(name: str) -> KVFormat:
+    if name in KV_FORMATS:
+        return KV_FORMATS[name]
+    if name in QUANTIZED_KV_FORMATS:
+        raise errors.Unsupported(f"KV precision {name!r} is not available on this backend yet "
+                                 f"(quantized KV lives in kernels/quant_kv); use one of {sorted(KV_FORMATS)}",
+                                 requested=name, supported=sorted(KV_FORMATS))
+    raise errors.BadRequest(f"unknown KV precision {name!r}; expected one of {sorted(KV_FORMATS)}", kv=name)
+
+
+class PagedKVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, fmt: KVFormat, budget_bytes: int,
+                 block_size: int = DEFAULT_BLOCK_SIZE, device: str | torch.device = "cpu") -> None:
+        if fmt.quantized:
+            raise errors.Unsupported(f"KV format {fmt.name} has no write/read path here yet")
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.fmt = fmt
+        self.block_size = block_size
+        self.budget_bytes = int(budget_bytes)
+        self.num_blocks = self.budget_bytes // self.block_bytes
+        if self.num_blocks < 1:
+            raise errors.BadRequest(f"KV budget {budget_bytes} bytes holds no block of {self.block_bytes} bytes",
+                                    budget_bytes=budget_bytes, block_bytes=self.block_bytes)
+        shape = (n_layers, self.num_blocks, block_size, n_kv_heads, head_dim)
+        # zeros, not empty: a kernel that reads a partly filled block must never see NaN garbage (0 * NaN = NaN)
+        self.k = torch.zeros(shape, dtype=fmt.storage, device=device)  # k: [L, num_blocks, BS, Hkv, D]
+        self.v = torch.zeros(shape, dtype=fmt.storage, device=device)
+        self._free: list[int] = list(range(self.num_blocks))           # min-heap: low ids first keeps runs contiguous
+        heapq.heapify(self._free)
+
+    # ---- sizes (bytes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V, all layers: 2 * L * Hkv * D * element size."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.fmt.bytes_per_element
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens that fit in the whole budget (all sessions together)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    # ---- allocation (host side, event-loop thread only)
+
+    def allocate(self, n_blocks: int, after: int | None = None) -> list[int]:
+        """Take n_blocks from the free list; Overflow (nothing taken) when fewer are free.
+
+        ``after``: the caller's last block; when after+1, after+2, ... are free they are taken first, so a growing
+        session stays one contiguous run (attention then reads a zero-copy view instead of gathering blocks).
+        """
+        if n_blocks < 0:
+            raise ValueError(f"n_blocks {n_blocks} < 0")
+        if n_blocks > len(self._free):
+            raise errors.Overflow(
+                f"KV memory exhausted: need {n_blocks} blocks ({n_blocks * self.block_size} tokens), "
+                f"{len(self._free)} free of {self.num_blocks}",
+                needed_blocks=n_blocks, free_blocks=len(self._free), block_size=self.block_size,
+                budget_bytes=self.budget_bytes)
+        out: list[int] = []
+        if after is not None and n_blocks:
+            free = set(self._free)
+            nxt = after + 1
+            while len(out) < n_blocks and nxt in free:
+                out.append(nxt)
+                nxt += 1
+            if out:
+                taken = set(out)
+                self._free = [b for b in self._free if b not in taken]
+                heapq.heapify(self._free)
+        while len(out) < n_blocks:
+            out.append(heapq.heappop(self._free))
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            heapq.heappush(self._free, b)
+
+    # ---- data (torch thread)
+
+    def k_layer(self, layer: int) -> Tensor:
+        return self.k[layer]  # [num_blocks, BS, Hkv, D]
+
+    def v_layer(self, layer: int) -> Tensor:
+        return self.v[layer]
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
+        """k, v: [N, Hkv, D]; slots: [N] int64 flat slot ids (block * BS + offset)."""
+        self.k[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.fmt.storage))
+        self.v[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.fmt.storage))
+
+    def slots(self, blocks: list[int], start: int, end: int) -> Tensor:
+        """Flat slot ids of token positions [start, end) of a session with block table ``blocks``: [end-start]."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(blocks, dtype=torch.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def read_tokens(self, blocks: list[int], n: int) -> tuple[Tensor, Tensor]:
+        """A copy of the first n tokens' K and V: each [L, n, Hkv, D] (for snapshots)."""
+        idx = self.slots(blocks, 0, n).to(self.k.device)
+        k = self.k.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_select(1, idx)
+        v = self.v.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_select(1, idx)
+        return k, v
+
+    def write_tokens(self, blocks: list[int], k: Tensor, v: Tensor) -> None:
+        """Inverse of read_tokens: k, v [L, n, Hkv, D] into positions [0, n) of ``blocks``."""
+        idx = self.slots(blocks, 0, k.shape[1]).to(self.k.device)
+        self.k.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, idx, k.to(self.fmt.storage))
+        self.v.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, idx, v.to(self.fmt.storage))
+
+    def stats(self) -> dict:
+        return {"dtype": self.fmt.name, "block_size": self.block_size, "num_blocks": self.num_blocks,
+                "free_blocks": self.free_blocks, "bytes_per_token": self.bytes_per_token,
+                "budget_bytes": self.budget_bytes, "max_tokens": self.max_tokens,
+                "usage_ratio": self.usage_ratio}

@@ -1,0 +1,377 @@
+"""A small, flat Llama-family decoder over a paged KV cache (gpt-fast style).
+
+Covers Llama (1/2/3, incl. llama3 RoPE scaling), Qwen2 (q/k/v bias) and Mistral: RMSNorm, RoPE (theta, optional
+linear / llama3 frequency scaling), grouped-query attention, SwiGLU, tied or untied embeddings. Weights use the HF
+layout (``rotate_half`` RoPE); the GGUF loader undoes llama.cpp's Q/K row permutation before they get here.
+
+The forward pass takes a flat token batch ``tokens [N]`` with ``positions [N]`` and an ``AttnMetadata`` that says
+which session each token belongs to. Two shapes occur:
+  prefill: one session, N = T new tokens at positions past..past+T-1
+  decode:  B sessions, N = B, one new token each
+Every layer writes its new K/V into the paged cache and then calls ``paged_attention`` -- the ONE place where
+attention reaches the kernels (``modeld_cell.kernels.dispatch`` when it is present and validated, else plain torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelArgs:
+    arch: str = "llama"                  # llama | qwen2 | mistral (decides loader details only)
+    vocab_size: int = 32000
+    dim: int = 4096                      # hidden size
+    n_layers: int = 32
+    n_heads: int = 32                    # query heads
+    n_kv_heads: int = 32                 # key/value heads (GQA: n_heads % n_kv_heads == 0)
+    head_dim: int = 128
+    intermediate_size: int = 11008       # SwiGLU inner size
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None     # {"type": "linear", "factor"} | {"type": "llama3", "factor", ...}
+    max_seq_len: int = 4096              # trained context length
+    tie_embeddings: bool = False
+    qkv_bias: bool = False               # Qwen2
+    sliding_window: int | None = None    # Mistral v0.1; the engine refuses tiers beyond it (no SWA here)
+
+    def __post_init__(self) -> None:
+        assert self.n_heads % self.n_kv_heads == 0, f"n_heads {self.n_heads} % n_kv_heads {self.n_kv_heads} != 0"
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelArgs:
+        if name not in transformer_configs:
+            raise KeyError(f"unknown model config {name!r}; known: {sorted(transformer_configs)}")
+        return replace(transformer_configs[name])
+
+    @property
+    def n_params(self) -> int:
+        attn = self.dim * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
+        mlp = 3 * self.dim * self.intermediate_size
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + mlp + 2 * self.dim) + emb + self.dim
+
+
+transformer_configs: dict[str, ModelArgs] = {
+    "smollm2-135m": ModelArgs(
+        arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+        intermediate_size=1536, rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True,
+    ),
+    "smollm2-360m": ModelArgs(
+        arch="llama", vocab_size=49152, dim=960, n_layers=32, n_heads=15, n_kv_heads=5, head_dim=64,
+        intermediate_size=2560, rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True,
+    ),
+    "llama-3.2-1b": ModelArgs(
+        arch="llama", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+        intermediate_size=8192, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
+        rope_scaling={"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "qwen2.5-0.5b": ModelArgs(
+        arch="qwen2", vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+        intermediate_size=4864, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True,
+        qkv_bias=True,
+    ),
+    "mistral-7b-v0.3": ModelArgs(
+        arch="mistral", vocab_size=32768, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+        intermediate_size=14336, rope_theta=1000000.0, max_seq_len=32768,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention metadata and the kernel seam
+
+
+@dataclass
+class AttnMetadata:
+    """Where the N new tokens of a forward pass live in the paged cache.
+
+    kind:          "prefill" (B == 1, N == T new tokens) or "decode" (N == B, one token per session)
+    slot_mapping:  [N] int64, flat cache slot (block * block_size + offset) each new token's K/V is written to
+    block_tables:  [B, max_blocks] int32, the session's blocks in order (padding: 0, never read)
+    seq_lens:      [B] int32, tokens in the cache per session AFTER this step (past + new)
+    seq_lens_list: the same as python ints (host-side loops avoid a sync per read)
+    contiguous:    per session, the first block id when its blocks are consecutive ids (zero-copy views), else None
+    """
+
+    kind: str
+    slot_mapping: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    seq_lens_list: list[int]
+    block_size: int
+    contiguous: list[int | None] = field(default_factory=list)
+
+
+# Set by ``use_decode_kernel``: fn(q, k_cache, v_cache, block_tables, seq_lens, scale) -> out [B, Hq, D], i.e. a
+# validated ``kernels.dispatch.paged_decode``; None = the zero-copy torch path below (on CPU it reads each session's
+# contiguous block run as a strided view, ~3x faster than gathering blocks).
+_DECODE_KERNEL: Callable[..., Tensor] | None = None
+# Present since torch 2.3: flash attention on CPU that also returns the natural-log LSE, needed to merge the
+# unmasked past part and the causal new-token part of a prefill chunk exactly.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def use_decode_kernel(fn: Callable[..., Tensor] | None) -> None:
+    global _DECODE_KERNEL
+    _DECODE_KERNEL = fn
+
+
+def _past_kv(cache: Tensor, meta: AttnMetadata, b: int, n: int) -> Tensor:
+    """The first n cached tokens of session b. cache: [num_blocks, BS, Hkv, D] -> [n, Hkv, D] (a view if possible)."""
+    bs = meta.block_size
+    start = meta.contiguous[b] if meta.contiguous else None
+    if start is not None:
+        return cache.view(-1, *cache.shape[2:])[start * bs : start * bs + n]
+    nblk = (n + bs - 1) // bs
+    return cache.index_select(0, meta.block_tables[b, :nblk].long()).view(-1, *cache.shape[2:])[:n]
+
+
+def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
+    """Exact merge of two partial attentions over disjoint keys; natural-log LSE. o: [..., T, D], lse: [..., T]."""
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both parts empty -> weights 0, never NaN
+    w1 = torch.exp(lse1 - m).unsqueeze(-1)
+    w2 = torch.exp(lse2 - m).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2).clamp_min(1e-30)
+
+
+def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    meta: AttnMetadata) -> Tensor:
+    """THE attention seam: new-token queries against the paged cache (which already holds k_new/v_new).
+
+    q:       [N, Hq, D]    queries of the new tokens (RoPE applied)
+    k_new:   [N, Hkv, D]   keys of the new tokens (also written to the cache; passed to avoid re-reading it)
+    v_new:   [N, Hkv, D]
+    k_cache: [num_blocks, BLOCK_SIZE, Hkv, D]  (vLLM NHD layout), v_cache likewise
+    returns  [N, Hq, D] in q's dtype
+    """
+    n_tok, hq, d = q.shape
+    hkv = k_new.shape[1]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    if meta.kind == "decode":
+        if _DECODE_KERNEL is not None:
+            return _DECODE_KERNEL(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        out = torch.empty_like(q)
+        for b, s in enumerate(meta.seq_lens_list):
+            k = _past_kv(k_cache, meta, b, s).to(q.dtype).permute(1, 0, 2)  # k: [Hkv, S, D] (strided view)
+            v = _past_kv(v_cache, meta, b, s).to(q.dtype).permute(1, 0, 2)
+            qb = q[b].view(hkv, g, d)                                        # q: [Hkv, G, D], head = kv*G + g
+            out[b] = F.scaled_dot_product_attention(qb.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                                    scale=scale).view(hq, d)
+        return out
+
+    # prefill: one session, T = n_tok new tokens after `past` cached ones
+    t = n_tok
+    past = meta.seq_lens_list[0] - t
+    qh = q.transpose(0, 1).unsqueeze(0)                                      # q: [1, Hq, T, D]
+    kn = k_new.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)          # k: [1, Hq, T, D]
+    vn = v_new.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+    if _FLASH_CPU is None or q.device.type != "cpu":
+        # generic path (CUDA, old torch): one masked SDPA over past + new
+        if past == 0:
+            o = F.scaled_dot_product_attention(qh, kn, vn, is_causal=True, scale=scale)
+        else:
+            kp = _past_kv(k_cache, meta, 0, past).to(q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+            vp = _past_kv(v_cache, meta, 0, past).to(q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)  # [T, S]: key j <= past+i
+            o = F.scaled_dot_product_attention(qh, torch.cat([kp, kn], 2), torch.cat([vp, vn], 2),
+                                               attn_mask=mask, scale=scale)
+        return o.squeeze(0).transpose(0, 1).contiguous()
+    # CPU: causal flash over the new block, unmasked flash over the past, merged by LSE (masks cost ~2x here)
+    o_new, lse_new = _FLASH_CPU(qh, kn, vn, is_causal=True, scale=scale)     # o: [1, Hq, T, D], lse: [1, Hq, T]
+    if past == 0:
+        return o_new.squeeze(0).transpose(0, 1).contiguous()
+    kp = _past_kv(k_cache, meta, 0, past).to(q.dtype).permute(1, 0, 2).unsqueeze(0)  # k: [1, Hkv, S, D]
+    vp = _past_kv(v_cache, meta, 0, past).to(q.dtype).permute(1, 0, 2).unsqueeze(0)
+    # GQA without copying K: the G query heads of one KV head stacked along the query axis (no mask, rows independent)
+    qg = qh.reshape(1, hkv, g * t, d)                                        # q: [1, Hkv, G*T, D]
+    o_past, lse_past = _FLASH_CPU(qg, kp.contiguous(), vp.contiguous(), scale=scale)
+    o = _merge(o_past.reshape(1, hq, t, d), lse_past.reshape(1, hq, t), o_new, lse_new)
+    return o.to(q.dtype).squeeze(0).transpose(0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()  # normalise in fp32 (bf16 variance loses ~3 digits)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_frequencies(args: ModelArgs) -> Tensor:
+    """inv_freq: [D/2] fp32, with linear or llama3 scaling applied."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = args.rope_scaling or {}
+    kind = sc.get("type") or sc.get("rope_type")
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {sc!r} (supported: linear, llama3)")
+    return inv.float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [N, H, D]; cos/sin: [N, D] fp32. HF rotate_half convention (first half / second half pairs)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos.unsqueeze(1) + rot * sin.unsqueeze(1)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv, bias=args.qkv_bias)  # fused q|k|v: one matmul per layer
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Any, meta: AttnMetadata) -> Tensor:
+        n = x.shape[0]
+        hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rope(q.view(n, hq, d), cos, sin)   # q: [N, Hq, D]
+        k = apply_rope(k.view(n, hkv, d), cos, sin)  # k: [N, Hkv, D]
+        v = v.view(n, hkv, d)                        # v: [N, Hkv, D]
+        kv.write(self.layer, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv.k_layer(self.layer), kv.v_layer(self.layer), meta)
+        return self.wo(o.reshape(n, hq * d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.inter = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # fused gate|up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.inter, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Any, meta: AttnMetadata) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_seq_len, D] fp32
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)compute the fp32 RoPE tables on the model's device (also after ``to_empty``)."""
+        dev = self.tok_embeddings.weight.device
+        if dev.type == "meta":
+            return
+        ang = torch.outer(torch.arange(self.args.max_seq_len, dtype=torch.float32), rope_frequencies(self.args))
+        ang = torch.cat([ang, ang], dim=-1).to(dev)                                   # ang: [S, D]
+        self.rope_cos, self.rope_sin = ang.cos(), ang.sin()
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor, kv: Any, meta: AttnMetadata,
+                logits_rows: Tensor | None = None) -> Tensor:
+        """tokens, positions: [N] int64. Returns fp32 logits [len(logits_rows) or N, V]."""
+        x = self.tok_embeddings(tokens)                  # x: [N, dim]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, meta)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.output(self.norm(x)).float()
+
+    # ---- weights
+
+    def load_hf_state_dict(self, sd: dict[str, Tensor], dtype: torch.dtype) -> None:
+        """Load HF-named weights (``model.layers.{i}.self_attn.q_proj.weight`` ...), fusing q|k|v and gate|up.
+
+        Every model parameter must be provided; unknown names are an error (a silent miss would load garbage).
+        """
+        a = self.args
+        used: set[str] = set()
+
+        def take(name: str) -> Tensor:
+            if name not in sd:
+                raise KeyError(f"checkpoint lacks {name}")
+            used.add(name)
+            return sd[name]
+
+        new: dict[str, Tensor] = {"tok_embeddings.weight": take("model.embed_tokens.weight"),
+                                  "norm.weight": take("model.norm.weight")}
+        if not a.tie_embeddings:
+            new["output.weight"] = take("lm_head.weight")
+        elif "lm_head.weight" in sd:
+            used.add("lm_head.weight")  # some tied checkpoints still carry a copy
+        for i in range(a.n_layers):
+            p, m = f"model.layers.{i}.", f"layers.{i}."
+            new[m + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+            new[m + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            new[m + "attention.wqkv.weight"] = torch.cat(
+                [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0)
+            if a.qkv_bias:
+                new[m + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0)
+            new[m + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
+            new[m + "feed_forward.w13.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+            new[m + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+        extra = sorted(set(sd) - used - {k for k in sd if "rotary_emb.inv_freq" in k})
+        if extra:
+            raise KeyError(f"checkpoint has weights this model does not use: {extra[:5]}")
+        own = dict(self.named_parameters())
+        for name, t in new.items():
+            if own[name].shape != t.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(own[name].shape)}")
+        missing = set(own) - set(new) - ({"output.weight"} if a.tie_embeddings else set())
+        if missing:
+            raise KeyError(f"model parameters not in checkpoint: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for name, t in new.items():
+                own[name].data = t.to(dtype).contiguous()
+            if a.tie_embeddings:
+                self.output.weight = self.tok_embeddings.weight
+        # buffers (RoPE tables) stay fp32: positions up to 128k need more than bf16's 8 bits of mantissa

