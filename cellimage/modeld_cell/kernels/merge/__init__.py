@@ -1,0 +1,1 @@
+"""Exact merge of partial attention states (out, natural-log lse)."""

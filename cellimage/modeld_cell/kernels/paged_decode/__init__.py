@@ -1,0 +1,1 @@
+"""Paged GQA decode attention over a vLLM "NHD" block cache."""

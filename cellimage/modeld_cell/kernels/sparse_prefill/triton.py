@@ -1,0 +1,143 @@
+"""Block-sparse causal prefill (flash-attention forward) on triton, skipping masked-out key blocks.
+
+One program per (query block, head). It walks only the key blocks listed for it in kv_idx (built from the block
+mask by reference.mask_to_kv_indices), so work scales with the kept blocks, not with T^2. The online softmax runs
+in base 2 internally (exp2 with log2(e) folded into the scale); nothing in base 2 leaves the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_block_mask, check_qkv, mask_to_kv_indices
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _block_sparse_attn_fwd_kernel(
+    q_ptr,  # [T, H, D]
+    k_ptr,  # [T, Hkv, D]
+    v_ptr,  # [T, Hkv, D]
+    out_ptr,  # [T, H, D]
+    kv_idx_ptr,  # [H, nB, K] int32 kept key blocks, ascending
+    kv_cnt_ptr,  # [H, nB] int32
+    qk_scale,  # sm_scale * log2(e)
+    T,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_ih, stride_ib,
+    stride_ch,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,  # block_size, for queries and keys
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    hkv = h // G
+    offs_m = (qb * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # int64: T * H * D can pass 2**31 at long T
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q = tl.load(
+        q_ptr + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=(offs_m[:, None] < T) & d_mask[None, :], other=0.0,
+    )  # [BLOCK, BLOCK_D]  # fmt: skip
+    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    cnt = tl.load(kv_cnt_ptr + h * stride_ch + qb)
+    for i in range(0, cnt):
+        kb = tl.load(kv_idx_ptr + h * stride_ih + qb * stride_ib + i)
+        offs_n = (kb * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        kv_mask = (offs_n[:, None] < T) & d_mask[None, :]
+        k = tl.load(k_ptr + offs_n[:, None] * stride_kt + hkv * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        keep = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] < T)  # causal within the diagonal block
+        s = tl.where(keep, s * qk_scale, float("-inf"))  # [BLOCK, BLOCK], log2 units
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept so far
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + offs_n[:, None] * stride_vt + hkv * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no kept key stays 0
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & d_mask[None, :],
+    )  # fmt: skip
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor | None = None,
+    block_size: int = 64,
+    sm_scale: float | None = None,
+    kv_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Block-sparse causal attention for one sequence.
+
+    Args:
+        q: [T, H, D] fp32/bf16/fp16; k, v: [T, Hkv, D] same dtype, H = G * Hkv; last dims contiguous.
+        block_mask: [H, nB, nB] bool, nB = ceil(T / block_size); blocks above the diagonal are ignored.
+        block_size: query and key block size, a power of two >= 16.
+        kv_indices: precomputed (kv_idx [H, nB, K] int32, kv_cnt [H, nB] int32) from
+            reference.mask_to_kv_indices, to reuse across layers; replaces block_mask.
+    Returns:
+        out [T, H, D] in q.dtype; rows with no kept key are 0.
+    """
+    T, H, Hkv, D = check_qkv(q, k, v)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    nB = (T + block_size - 1) // block_size
+    if kv_indices is None:
+        if block_mask is None:
+            raise ValueError("give block_mask or kv_indices")
+        check_block_mask(block_mask, H, T, block_size)
+        kv_idx, kv_cnt = mask_to_kv_indices(block_mask)
+    else:
+        kv_idx, kv_cnt = kv_indices
+        if kv_idx.dim() != 3 or tuple(kv_idx.shape[:2]) != (H, nB) or tuple(kv_cnt.shape) != (H, nB):
+            raise ValueError(f"kv_indices must be ([H={H}, nB={nB}, K], [H, nB]); got "
+                             f"{tuple(kv_idx.shape)}, {tuple(kv_cnt.shape)}")  # fmt: skip
+        if kv_idx.dtype != torch.int32 or kv_cnt.dtype != torch.int32:
+            raise ValueError("kv_indices must be int32")
+        kv_idx, kv_cnt = kv_idx.contiguous(), kv_cnt.contiguous()
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    scale = (D**-0.5 if sm_scale is None else float(sm_scale)) * _LOG2E
+    extra = {}
+    if num_warps is not None:
+        extra["num_warps"] = num_warps
+    if num_stages is not None:
+        extra["num_stages"] = num_stages
+    _block_sparse_attn_fwd_kernel[(nB, H)](
+        q, k, v, out, kv_idx, kv_cnt, scale, T,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), kv_idx.stride(0), kv_idx.stride(1), kv_cnt.stride(0),
+        G=H // Hkv, D=D, BLOCK=block_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        IEEE=q.dtype == torch.float32, **extra,
+    )  # fmt: skip
+    return out
