@@ -4,7 +4,9 @@ kwok marks pods on fake nodes Running and gives them an IP from a loopback CIDR,
 ``modeld.contenox.io/local-run: "true"`` this runner starts the first container's command + args as a local process
 with the container's environment (plain values and the downward-API fields status.podIP, metadata.name,
 metadata.namespace, spec.nodeName), so clients reach a real worker at http://<podIP>:<port> exactly as in a cluster.
-A process stops when its pod goes away; one that exits is restarted with back-off, as the kubelet would.
+A process stops when its pod goes away; one that exits is restarted with back-off, as the kubelet would, unless
+the pod's restartPolicy is Never (a Job's pod): then the runner reports the pod Succeeded or Failed with the
+container's termination message, read from a local file that stands in for terminationMessagePath.
 
     python hack/podrunner.py --kubeconfig FILE --log-dir DIR
 """
@@ -37,6 +39,10 @@ class Running:
     env: dict[str, str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    namespace: str = ""
+    name: str = ""
+    restart_policy: str = "Always"
+    termination_file: Path | None = None
     restarts: int = 0
     next_start: float = 0.0
     stopped: bool = False
@@ -71,6 +77,10 @@ def plan(pod: client.V1Pod, log_dir: Path) -> Running:
         else:
             raise ValueError(f"env {var.name}: only value and fieldRef are supported by the local pod runner")
     argv = [_expand(a, env) for a in (container.command or []) + (container.args or [])]
+    # The kubelet mounts a file at terminationMessagePath; here an argument naming it points at a local file instead.
+    term_path = container.termination_message_path or "/dev/termination-log"
+    termination_file = log_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.termination"
+    argv = [str(termination_file) if a == term_path else a for a in argv]
     if not argv:
         raise ValueError("container has no command: the local runner cannot use the image's entrypoint")
     # Prefer executables of this interpreter's environment (the project's virtualenv).
@@ -80,12 +90,17 @@ def plan(pod: client.V1Pod, log_dir: Path) -> Running:
     elif shutil.which(argv[0]) is None:
         raise ValueError(f"command {argv[0]!r} not found on this machine")
     key = f"{pod.metadata.namespace}/{pod.metadata.name}"
-    return Running(key, argv, env, log_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.log")
+    return Running(
+        key, argv, env, log_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.log",
+        namespace=pod.metadata.namespace, name=pod.metadata.name,
+        restart_policy=pod.spec.restart_policy or "Always", termination_file=termination_file,
+    )
 
 
 class Runner:
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, core: client.CoreV1Api | None = None) -> None:
         self.log_dir = log_dir
+        self.core = core
         self.pods: dict[str, Running] = {}
         self.lock = threading.Lock()
 
@@ -93,6 +108,8 @@ class Runner:
         key = f"{pod.metadata.namespace}/{pod.metadata.name}"
         ready = pod.status.phase == "Running" and pod.status.pod_ip and not pod.metadata.deletion_timestamp
         with self.lock:
+            if pod.status.phase in ("Succeeded", "Failed") and key in self.pods:
+                return  # finished: keep the record so it is not started again
             if not ready:
                 if key in self.pods:
                     self.stop(self.pods.pop(key))
@@ -136,6 +153,9 @@ class Runner:
             for run in self.pods.values():
                 if run.proc is None or run.proc.poll() is None or run.stopped:
                     continue
+                if run.restart_policy == "Never":
+                    self.finish(run)
+                    continue
                 if run.next_start == 0.0:
                     delay = min(300.0, 10.0 * 2**run.restarts)
                     run.next_start = now + delay
@@ -144,6 +164,40 @@ class Runner:
                     run.restarts += 1
                     run.next_start = 0.0
                     self.spawn(run)
+
+    def finish(self, run: Running) -> None:
+        """Report a pod that must not restart as Succeeded or Failed, with its termination message (4 KiB, as the kubelet)."""
+        run.stopped = True
+        assert run.proc is not None
+        code = run.proc.returncode
+        message = ""
+        if run.termination_file and run.termination_file.exists():
+            message = run.termination_file.read_bytes()[:4096].decode(errors="replace")
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        status = {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "conditions": [{"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now}],
+            "containerStatuses": [
+                {
+                    "name": "main",
+                    "image": "local",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": run.restarts,
+                    "state": {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                             "message": message, "finishedAt": now}},
+                }
+            ],
+        }
+        if self.core is not None:
+            try:
+                pod = self.core.read_namespaced_pod(run.name, run.namespace)
+                status["containerStatuses"][0]["name"] = pod.spec.containers[0].name
+                status["containerStatuses"][0]["image"] = pod.spec.containers[0].image
+                self.core.patch_namespaced_pod_status(run.name, run.namespace, {"status": status})
+            except Exception as exc:  # the pod may be gone already
+                log.warning("pod %s: cannot report completion: %s", run.key, exc)
+        log.info("pod %s: exited %s, reported %s", run.key, code, status["phase"])
 
     def shutdown(self) -> None:
         with self.lock:
@@ -161,7 +215,7 @@ def main() -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     config.load_kube_config(args.kubeconfig)
     core = client.CoreV1Api()
-    runner = Runner(args.log_dir)
+    runner = Runner(args.log_dir, core)
 
     def on_signal(*_: object) -> None:
         runner.shutdown()

@@ -29,6 +29,8 @@ LABEL_CELL = f"{GROUP}/cell"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_LOCAL_RUN = f"{GROUP}/local-run"  # "true": hack/podrunner runs the container command as a local process
 FINALIZER = f"{GROUP}/finalizer"
+ANNOTATION_CERTIFY_TIERS = f"{GROUP}/certify-tiers"  # e.g. "1024,4096": context tiers the certification Job measures
+LABEL_CERTIFIES = f"{GROUP}/certifies"  # on a certification Job and its pod: the Cell it measures
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 FAMILY_PATTERN = r"^[a-z0-9][a-z0-9.-]{0,62}$"
@@ -293,6 +295,10 @@ class Certification(_Model):
     topology: str | None = Field(default=None, description="Topology measured on, e.g. 8x NVIDIA-H100 nvlink.")
     measuredAt: str | None = Field(default=None, description="RFC 3339 time of the measurement.")
     summary: dict[str, Any] | None = Field(default=None, description="Matrix summary.")
+    key: str | None = Field(
+        default=None, description="What was measured: a hash of the spec, image, model digest and topology; a change re-certifies."
+    )
+    job: str | None = Field(default=None, description="The certification Job that measured it.")
 
 
 class CellStatus(_Model):

@@ -141,6 +141,16 @@ def _with_version(namespace: str, name: str, manifest: dict[str, Any]) -> dict[s
     return out
 
 
+def create_job(manifest: dict[str, Any]) -> None:
+    """Create once; an existing Job of that name is the same measurement."""
+    load_config()
+    try:
+        client.BatchV1Api().create_namespaced_job(manifest["metadata"]["namespace"], manifest)  # type: ignore[arg-type]
+    except ApiException as exc:
+        if exc.status != 409:
+            _raise(exc, f"creating job {manifest['metadata']['name']}")
+
+
 def http_json(method: str, url: str, timeout: float, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     """One small request to a worker. Returns (status, parsed body); status 0 when it could not be reached."""
     data = json.dumps(body).encode() if body is not None else None

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
-from modeld_operator import api, kube, metrics, placement
+from modeld_operator import api, certification, kube, metrics, placement
 from modeld_operator.conditions import get_condition, set_condition
+from modeld_operator.conditions import now as conditions_now
 from modeld_operator.settings import SETTINGS
 
 CELLS = (api.GROUP, api.VERSION, "cells")
@@ -39,9 +41,67 @@ def _pod_endpoint(pod: dict[str, Any], port: int) -> tuple[api.Endpoint | None, 
     return api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), url=url, ready=ready), None
 
 
+def _reason(text: str) -> str:
+    """A condition reason is CamelCase: 'context-tier' becomes 'GateContextTier'."""
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    return "Gate" + "".join(w[:1].upper() + w[1:] for w in words) if words else "Gate"
+
+
+Verdict = tuple[bool | None, str, str]
+
+
+def certify(
+    name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, endpoints: list[api.Endpoint],
+    labels_of: dict[str, dict[str, str]], old: dict[str, Any] | None,
+) -> tuple[dict[str, Any] | None, Verdict | None]:
+    """The cell's certification on the topology it runs on: kept while nothing measured changes, else measured by a Job.
+
+    Returns the status.certification to store and the Certified condition (None: leave both as they are)."""
+    ready = [e for e in endpoints if e.ready and e.url]
+    if not ready:
+        return old, None
+    topology = certification.topology_of(spec, labels_of.get(ready[0].node or "", {}))
+    baseline: tuple[str, api.CellSpec, str] | None = None
+    if spec.baseline:
+        bobj = kube.get_object("cells", namespace, spec.baseline)
+        if bobj is None:
+            return old, (False, "BaselineMissing", f"baseline cell {spec.baseline} does not exist in {namespace}")
+        bready = [e for e in (bobj.get("status") or {}).get("endpoints") or [] if e.get("ready") and e.get("url")]
+        if not bready:
+            return old, (None, "WaitingForBaseline", f"baseline cell {spec.baseline} has no ready worker yet")
+        baseline = (spec.baseline, api.CellSpec.model_validate(bobj["spec"]), bready[0]["url"])
+    key = certification.certification_key(spec, topology, baseline[1] if baseline else None)
+    if old and old.get("key") == key and old.get("measuredAt"):
+        gate = old.get("gate") or ("CertificationFailed" if not old.get("certified") else "Certified")
+        return old, (bool(old.get("certified")), _reason(gate), old.get("reason") or "")
+    job = certification.job_name(name, key)
+    pods = kube.list_pods(namespace, f"job-name={job}")
+    if not pods:
+        try:
+            tiers = certification.tiers_for(spec, dict(body.get("metadata", {}).get("annotations") or {}))
+        except ValueError as exc:
+            return old, (False, "InvalidCertifyTiers", str(exc))
+        manifest = certification.job_manifest(name, namespace, spec, ready[0].url or "", topology, key, tiers, baseline)
+        kopf.append_owner_reference(manifest, owner=body)
+        kube.create_job(manifest)
+        kopf.event(body, type="Normal", reason="Certifying", message=f"job {job} measures the cell on {topology}")
+        return old, (None, "Certifying", f"job {job} measures the cell on {topology}")
+    state, cert, message = certification.verdict_from_pod(pods[0])
+    if state == "running":
+        return old, (None, "Certifying", f"job {job} measures the cell on {topology}")
+    if cert is None:
+        failed = api.Certification(certified=False, reason=message, topology=topology, key=key, job=job,
+                                   gate="CertificationFailed", measuredAt=conditions_now())
+        return failed.model_dump(mode="json", exclude_none=True), (False, "CertificationFailed", message)
+    cert.key, cert.job, cert.topology = key, job, cert.topology or topology
+    return cert.model_dump(mode="json", exclude_none=True), (cert.certified, _reason(cert.gate or "none"), cert.reason or "")
+
+
 def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec) -> placement.Placement:
     """Derive the Cell's status from nodes, pods, workers and bound sessions; patch it if anything changed."""
-    nodes = [placement.NodeView.from_obj(n) for n in kube.list_nodes()]
+    node_objs = kube.list_nodes()
+    nodes = [placement.NodeView.from_obj(n) for n in node_objs]
+    labels_of = {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in node_objs}
     plan = placement.place(spec, nodes)
     pods = kube.list_pods(namespace, f"{api.LABEL_CELL}={name}")
     endpoints: list[api.Endpoint] = []
@@ -79,8 +139,12 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
 
     conditions, changed_sched = set_condition(old.get("conditions"), "Scheduled", sched[0], sched[1], sched[2], generation)
     conditions, changed_ready = set_condition(conditions, "Ready", ready_cond[0], ready_cond[1], ready_cond[2], generation)
-    if get_condition(conditions, "Certified") is None:
-        conditions, _changed = set_condition(conditions, "Certified", None, "NotCertified", "not measured yet", generation)
+    cert, verdict = certify(name, namespace, body, spec, endpoints, labels_of, old.get("certification"))
+    changed_cert = False
+    if verdict is not None:
+        conditions, changed_cert = set_condition(conditions, "Certified", verdict[0], verdict[1], verdict[2], generation)
+    elif get_condition(conditions, "Certified") is None:
+        conditions, _changed = set_condition(conditions, "Certified", None, "NotCertified", "no ready worker to measure yet", generation)
 
     status = api.CellStatus(
         phase=phase,
@@ -90,13 +154,15 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         endpoints=endpoints,
         nodes=plan.nodes,
         sessions=sessions,
-        certification=old.get("certification"),
+        certification=api.Certification.model_validate(cert) if cert else None,
         conditions=[api.Condition.model_validate(c) for c in conditions],
     ).model_dump(mode="json", exclude_none=True)
     if status != {k: v for k, v in old.items() if k in status}:
         kube.patch_status("cells", namespace, name, status)
     if changed_sched:
         kopf.event(body, type="Normal" if sched[0] else "Warning", reason=sched[1], message=sched[2])
+    if changed_cert and verdict is not None and verdict[0] is not None:
+        kopf.event(body, type="Normal" if verdict[0] else "Warning", reason=verdict[1], message=verdict[2][:1000])
     if changed_ready and ready_cond[0]:
         kopf.event(body, type="Normal", reason="Ready", message=ready_cond[2])
     metrics.CELL_READY_REPLICAS.labels(namespace, name).set(ready)

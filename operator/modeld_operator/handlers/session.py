@@ -16,7 +16,17 @@ from modeld_operator.settings import SETTINGS
 SESSIONS = (api.GROUP, api.VERSION, "sessions")
 
 
-def _cell_views(namespace: str) -> list[placement.CellView]:
+def first_output_p90(summary: dict[str, Any], required: int) -> float | None:
+    """Measured first-output p90 at the smallest certified tier that covers `required` tokens (None: not measured)."""
+    by_tier = summary.get("firstOutputP90Ms") or {}
+    try:
+        tiers = sorted((int(t), float(ms)) for t, ms in by_tier.items())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return next((ms for tier, ms in tiers if tier >= required), None)
+
+
+def _cell_views(namespace: str, required: int) -> list[placement.CellView]:
     counts: dict[str, int] = {}
     for sess in kube.list_objects("sessions", namespace):
         cell = (sess["metadata"].get("labels") or {}).get(api.LABEL_CELL)
@@ -38,7 +48,7 @@ def _cell_views(namespace: str) -> list[placement.CellView]:
                 ready_endpoints=[api.Endpoint.model_validate(e) for e in status.get("endpoints") or [] if e.get("ready") and e.get("url")],
                 sessions=counts.get(obj["metadata"]["name"], 0),
                 certified=certified,
-                first_output_p90_ms=summary.get("firstOutputP90Ms"),
+                first_output_p90_ms=first_output_p90(summary, required),
             )
         )
     return views
@@ -51,7 +61,7 @@ def worker_session_id(namespace: str, name: str) -> str:
 def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> None:
     status = dict(body.get("status") or {})
     generation = body["metadata"].get("generation")
-    fit = placement.choose_cell(spec, _cell_views(namespace), SETTINGS.require_certified)
+    fit = placement.choose_cell(spec, _cell_views(namespace, spec.requiredContext), SETTINGS.require_certified)
     if fit.cell is None or fit.endpoint is None:
         conditions, changed = set_condition(status.get("conditions"), "Bound", False, "NoFittingCell", fit.reason, generation)
         kube.patch_status("sessions", namespace, name, {"phase": "Pending", "reason": fit.reason, "observedGeneration": generation, "conditions": conditions})

@@ -1,0 +1,135 @@
+"""Certification as the operator sees it: when a Cell needs measuring, the Job that measures it, and reading the
+verdict back. Pure functions; handlers/cell.py acts on them.
+
+The Job runs the cell image's `modeld-cell certify` against the cell's ready endpoint and its baseline's, and writes
+a small JSON summary to its termination message (the kubelet hands that back in the pod status), so the operator
+needs no volume, no logs access and no extra RBAC to read the verdict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from . import api
+
+TERMINATION_LOG = "/dev/termination-log"
+DEFAULT_TIERS = (1024, 4096, 8192, 32768, 131072)
+
+
+def topology_of(spec: api.CellSpec, node_labels: dict[str, str]) -> str:
+    """The topology a measurement stands for: GPU count, product and interconnect, or the CPU."""
+    if spec.topology.gpus == 0:
+        return "cpu"
+    product = node_labels.get(api.LABEL_GPU_PRODUCT, "unknown-gpu")
+    return f"{spec.topology.gpus}x {product} {spec.topology.interconnect}"
+
+
+def certification_key(spec: api.CellSpec, topology: str, baseline: api.CellSpec | None) -> str:
+    """Changes whenever what is measured changes: the tuple, the image, the model digest, the topology, the baseline.
+
+    Replicas, resources and localRun do not change a cell's certification."""
+    relevant = spec.model_dump(mode="json", exclude={"replicas", "resources", "localRun", "port"})
+    base = baseline.model_dump(mode="json", exclude={"replicas", "resources", "localRun", "port"}) if baseline else None
+    text = json.dumps({"spec": relevant, "topology": topology, "baseline": base}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def tiers_for(spec: api.CellSpec, annotations: dict[str, str]) -> list[int]:
+    raw = annotations.get(api.ANNOTATION_CERTIFY_TIERS)
+    if raw:
+        try:
+            tiers = sorted({int(t) for t in raw.split(",") if t.strip()})
+        except ValueError as exc:
+            raise ValueError(f"annotation {api.ANNOTATION_CERTIFY_TIERS}={raw!r}: comma-separated integers expected") from exc
+        if not tiers or tiers[0] < 1:
+            raise ValueError(f"annotation {api.ANNOTATION_CERTIFY_TIERS}={raw!r}: positive tiers expected")
+        return tiers
+    return [t for t in DEFAULT_TIERS if t < spec.contextTier] + [spec.contextTier]
+
+
+def job_name(cell: str, key: str) -> str:
+    return f"certify-{cell}"[:52] + f"-{key[:8]}"
+
+
+def job_manifest(
+    cell: str,
+    namespace: str,
+    spec: api.CellSpec,
+    endpoint: str,
+    topology: str,
+    key: str,
+    tiers: list[int],
+    baseline: tuple[str, api.CellSpec, str] | None,
+) -> dict[str, Any]:
+    """A Job that measures `cell` at `endpoint` (and its baseline in the same run) and reports in its termination message."""
+    args = ["certify", "--endpoint", endpoint, "--topology", topology, "--tiers", ",".join(map(str, tiers)),
+            "--summary", TERMINATION_LOG, "--cell-name", cell]
+    env = [{"name": "MODELD_CELL_SPEC", "value": json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)}]
+    if baseline:
+        bname, bspec, bendpoint = baseline
+        args += ["--baseline-endpoint", bendpoint, "--baseline-name", bname]
+        env.append({"name": "MODELD_BASELINE_SPEC", "value": json.dumps(bspec.model_dump(mode="json", exclude_none=True), sort_keys=True)})
+    labels = {api.LABEL_CERTIFIES: cell, api.LABEL_MANAGED_BY: "modeld"}
+    if spec.localRun:
+        labels[api.LABEL_LOCAL_RUN] = "true"
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": job_name(cell, key), "namespace": namespace, "labels": labels, "annotations": {f"{api.GROUP}/key": key}},
+        "spec": {
+            "backoffLimit": 0,  # a failed measurement is reported, not retried into a loop
+            "activeDeadlineSeconds": 3600,
+            "ttlSecondsAfterFinished": 86400,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "enableServiceLinks": False,
+                    "automountServiceAccountToken": False,
+                    "containers": [
+                        {
+                            "name": "certify",
+                            "image": spec.image,
+                            "command": ["modeld-cell"],
+                            "args": args,
+                            "env": env,
+                            "terminationMessagePath": TERMINATION_LOG,
+                            "terminationMessagePolicy": "File",
+                            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def verdict_from_pod(pod: dict[str, Any]) -> tuple[str, api.Certification | None, str]:
+    """(state, certification, message): state is running, done or failed."""
+    phase = (pod.get("status") or {}).get("phase")
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    terminated = (statuses[0].get("state") or {}).get("terminated") if statuses else None
+    if phase not in ("Succeeded", "Failed") or terminated is None:
+        return "running", None, ""
+    message = terminated.get("message") or ""
+    if phase == "Failed" or terminated.get("exitCode", 1) != 0:
+        return "failed", None, message.strip()[-400:] or f"certification exited with {terminated.get('exitCode')}"
+    try:
+        summary = json.loads(message)
+        cert = api.Certification.model_validate(
+            {
+                "certified": bool(summary["certified"]),
+                "gate": summary.get("gate"),
+                "reason": summary.get("reason"),
+                "topology": summary.get("topology"),
+                "measuredAt": summary.get("measuredAt"),
+                "summary": summary,
+            }
+        )
+    except (ValueError, KeyError, TypeError, ValidationError) as exc:
+        return "failed", None, f"unreadable certification summary: {exc}"
+    return "done", cert, cert.reason or ""
