@@ -10,7 +10,9 @@ CACHE=${MODELD_CACHE:-$HOME/.cache/modeld}
 PYTHON=${PYTHON:-python3}
 t0=$SECONDS
 
-key=$( (cat hack/requirements.lock; "$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+# Keyed by the lock, the interpreter and this checkout's path: the checkout is installed editable, so two checkouts
+# (a CI clone beside a working tree) must not share one. uv hard-links from its cache, so a second venv is cheap.
+key=$( (cat hack/requirements.lock; "$PYTHON" -c 'import sys; print(sys.version)'; pwd -P) | sha256sum | cut -c1-12)
 venv=$CACHE/venv/$key
 if [[ ! -f $venv/.complete ]]; then
   echo "setup: creating $venv" >&2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from modeld_operator import api, certification
 from modeld_operator.handlers.session import first_output_p90
 
