@@ -30,6 +30,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_LOCAL_RUN = f"{GROUP}/local-run"  # "true": hack/podrunner runs the container command as a local process
 FINALIZER = f"{GROUP}/finalizer"
 ANNOTATION_CERTIFY_TIERS = f"{GROUP}/certify-tiers"  # e.g. "1024,4096": context tiers the certification Job measures
+ANNOTATION_CERTIFY_ARGS = f"{GROUP}/certify-args"  # e.g. "--repeats 1 --agent-turns 2": workload size of the Job
 LABEL_CERTIFIES = f"{GROUP}/certifies"  # on a certification Job and its pod: the Cell it measures
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"

@@ -51,6 +51,32 @@ def tiers_for(spec: api.CellSpec, annotations: dict[str, str]) -> list[int]:
     return [t for t in DEFAULT_TIERS if t < spec.contextTier] + [spec.contextTier]
 
 
+# Workload-size flags of `modeld-cell certify` an admin may set through the certify-args annotation; nothing else.
+CERTIFY_FLAGS = {
+    "--repeats": int, "--agent-turns": int, "--agent-runs": int, "--decode-tokens": int,
+    "--agent-tool-tokens": int, "--latency-budget-ms": float,
+}
+
+
+def extra_args(annotations: dict[str, str]) -> list[str]:
+    raw = annotations.get(api.ANNOTATION_CERTIFY_ARGS, "")
+    words = raw.split()
+    if len(words) % 2:
+        raise ValueError(f"annotation {api.ANNOTATION_CERTIFY_ARGS}={raw!r}: flags and values come in pairs")
+    out: list[str] = []
+    for flag, value in zip(words[::2], words[1::2], strict=True):
+        kind = CERTIFY_FLAGS.get(flag)
+        if kind is None:
+            raise ValueError(f"annotation {api.ANNOTATION_CERTIFY_ARGS}: {flag!r} is not one of {sorted(CERTIFY_FLAGS)}")
+        try:
+            if kind(value) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"annotation {api.ANNOTATION_CERTIFY_ARGS}: {flag} needs a positive number, not {value!r}") from None
+        out += [flag, value]
+    return out
+
+
 def job_name(cell: str, key: str) -> str:
     return f"certify-{cell}"[:52] + f"-{key[:8]}"
 
@@ -64,10 +90,11 @@ def job_manifest(
     key: str,
     tiers: list[int],
     baseline: tuple[str, api.CellSpec, str] | None,
+    extra: list[str] | None = None,
 ) -> dict[str, Any]:
     """A Job that measures `cell` at `endpoint` (and its baseline in the same run) and reports in its termination message."""
     args = ["certify", "--endpoint", endpoint, "--topology", topology, "--tiers", ",".join(map(str, tiers)),
-            "--summary", TERMINATION_LOG, "--cell-name", cell]
+            "--summary", TERMINATION_LOG, "--cell-name", cell, *(extra or [])]
     env = [{"name": "MODELD_CELL_SPEC", "value": json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)}]
     if baseline:
         bname, bspec, bendpoint = baseline

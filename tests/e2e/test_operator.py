@@ -130,11 +130,18 @@ def test_spec_update_rolls_out_and_delete_cleans_up(cluster, operator, namespace
     wait_until("the Deployment garbage-collected", lambda: cluster.get("deployment", "cell-roll", namespace) is None, timeout=60)
 
 
-def cpu_cell(name: str, tier: int) -> dict:
+QUICK_CERTIFICATION = {
+    # A small measurement keeps the suite quick on 2 cores; the certification Job still runs the real harness.
+    "modeld.contenox.io/certify-tiers": "256,512",
+    "modeld.contenox.io/certify-args": "--repeats 1 --agent-turns 2 --agent-runs 1 --decode-tokens 4 --agent-tool-tokens 48",
+}
+
+
+def cpu_cell(name: str, tier: int, baseline: str | None = None) -> dict:
     return {
         "apiVersion": "modeld.contenox.io/v1alpha1",
         "kind": "Cell",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "annotations": QUICK_CERTIFICATION},
         "spec": {
             "runtime": {"backend": "torch"},
             "topology": {"gpus": 0, "interconnect": "none"},
@@ -147,6 +154,7 @@ def cpu_cell(name: str, tier: int) -> dict:
             "contextTier": tier,
             "kvMemoryMiB": 64,
             "localRun": True,
+            **({"baseline": baseline} if baseline else {}),
         },
     }
 

@@ -53,6 +53,15 @@ def test_tiers():
         certification.tiers_for(spec(), {api.ANNOTATION_CERTIFY_TIERS: "big"})
 
 
+def test_extra_args_are_whitelisted():
+    ann = api.ANNOTATION_CERTIFY_ARGS
+    assert certification.extra_args({}) == []
+    assert certification.extra_args({ann: "--repeats 1 --agent-turns 2"}) == ["--repeats", "1", "--agent-turns", "2"]
+    for bad, message in [("--repeats", "pairs"), ("--out /etc", "not one of"), ("--repeats -1", "positive number")]:
+        with pytest.raises(ValueError, match=message):
+            certification.extra_args({ann: bad})
+
+
 def test_job_manifest():
     s = spec(localRun=True, baseline="base")
     job = certification.job_manifest("cand", "ns", s, "http://127.1.0.2:8080", "cpu", "k" * 16, [256], ("base", spec(), "http://127.1.0.3:8080"))
@@ -91,4 +100,5 @@ def test_latency_budget_uses_the_covering_tier():
     assert first_output_p90(summary, 4000) == 900.0
     assert first_output_p90(summary, 9000) is None
     assert first_output_p90({}, 10) is None
+    assert first_output_p90({"firstOutputP90Ms": {"1024": None, "4096": 50.0}}, 512) == 50.0  # refused tier
     assert first_output_p90({"firstOutputP90Ms": "garbage"}, 10) is None

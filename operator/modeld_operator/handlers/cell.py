@@ -77,11 +77,13 @@ def certify(
     job = certification.job_name(name, key)
     pods = kube.list_pods(namespace, f"job-name={job}")
     if not pods:
+        annotations = dict(body.get("metadata", {}).get("annotations") or {})
         try:
-            tiers = certification.tiers_for(spec, dict(body.get("metadata", {}).get("annotations") or {}))
+            tiers = certification.tiers_for(spec, annotations)
+            extra = certification.extra_args(annotations)
         except ValueError as exc:
-            return old, (False, "InvalidCertifyTiers", str(exc))
-        manifest = certification.job_manifest(name, namespace, spec, ready[0].url or "", topology, key, tiers, baseline)
+            return old, (False, "InvalidCertifyAnnotation", str(exc))
+        manifest = certification.job_manifest(name, namespace, spec, ready[0].url or "", topology, key, tiers, baseline, extra)
         kopf.append_owner_reference(manifest, owner=body)
         kube.create_job(manifest)
         kopf.event(body, type="Normal", reason="Certifying", message=f"job {job} measures the cell on {topology}")

@@ -20,7 +20,7 @@ def first_output_p90(summary: dict[str, Any], required: int) -> float | None:
     """Measured first-output p90 at the smallest certified tier that covers `required` tokens (None: not measured)."""
     by_tier = summary.get("firstOutputP90Ms") or {}
     try:
-        tiers = sorted((int(t), float(ms)) for t, ms in by_tier.items())
+        tiers = sorted((int(t), float(ms)) for t, ms in by_tier.items() if ms is not None)
     except (AttributeError, TypeError, ValueError):
         return None
     return next((ms for tier, ms in tiers if tier >= required), None)
