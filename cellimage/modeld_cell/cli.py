@@ -2,6 +2,7 @@
 
     modeld-cell serve [--cell FILE] [--host H] [--port P] [--model PATH]
     modeld-cell capability [--cell FILE] [--model PATH]
+    modeld-cell certify --endpoint URL | --spawn  [--cell FILE] [--baseline-...] --tiers T,... --out DIR (see certify/)
 
 The cell comes from ``--cell`` (a Cell manifest or a bare spec, YAML or JSON), else ``MODELD_CELL_SPEC`` (JSON, so a
 pod needs no volume), else the embedded laptop cell ``cells/laptop-cpu.yaml``. Flags win over environment variables.
@@ -148,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--model", metavar="PATH", help="local weights file (overrides MODELD_MODEL_PATH)")
     p_serve.add_argument("--host", help="bind address (overrides MODELD_CELL_HOST)")
     p_serve.add_argument("--port", type=int, help="port (overrides MODELD_CELL_PORT, then the spec's port)")
+    from .certify import cli as certify_cli
+
+    p_cert = sub.add_parser("certify", help="measure a cell against its baseline and decide whether to keep it")
+    certify_cli.add_arguments(p_cert)
     args = ap.parse_args(argv)
+    if args.command == "certify":
+        return certify_cli.run(args, argv)
 
     try:
         settings = Settings.from_env(model_path=args.model, host=getattr(args, "host", None),
