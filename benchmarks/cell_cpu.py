@@ -46,6 +46,7 @@ def pct(xs: list[float], p: float) -> float:
 
 async def one_context(eng: Engine, ids: list[int], n: int, decode_tokens: int, tag: str) -> dict:
     sid = f"ctx-{tag}-{n}"
+    eng.clear_prefix_cache()         # cold: no blocks of an earlier run of the same text (cross-session reuse)
     t = time.perf_counter()
     tr = await eng.ensure_prefix(sid, ids[:n])
     prefill_s = time.perf_counter() - t

@@ -15,11 +15,15 @@ Session state
   asked of the session (a decode step, a prefill, ensure_prefix), which saves a forward at the end of every turn.
   ``logits`` are the next-token logits after ``tokens`` (only when ``kv_len == len(tokens)``; None when unknown, e.g.
   after a truncation -- decode then re-runs the last token).
+  ``blocks`` may be shared with other sessions (refcounted; full blocks named in the cell's prefix index, see
+  prefix_index.py and docs/reuse.md): a session writes K/V only into blocks it holds alone (``_make_writable``).
+  ``hashes`` are the chain hashes of its first ``kv_len // BLOCK_SIZE`` blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
@@ -37,16 +41,16 @@ import torch
 from . import __version__, errors
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY_MIB, PagedKVCache, kv_format
 from .model import AttnMetadata, Transformer, use_decode_kernel
+from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
 from .tokenizer import Tokenizer
 
 SNAPSHOT_MAGIC = b"MODELD-SNAPSHOT\x00"   # 16 bytes
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2                      # v2: full cache identity, typed payload table (docs/reuse.md)
 SUPPORTED_ATTENTION = ("dense",)
 SPARSE_ATTENTION = ("block-sparse", "sparse", "vertical-slash", "minference")
 UNSUPPORTED_MODES = [
     "attention: block-sparse prefill (runs dense; reported as fallback)",
     "kv: int8 / fp8 / int4 (kernels/quant_kv not wired on this backend)",
-    "prefixReuse: across sessions (reuse is within one session)",
     "topology: tensor / pipeline parallel",
     "sliding-window attention",
 ]
@@ -101,6 +105,8 @@ class Trace:
     clamped: dict | None = None
     fallback: dict | None = None
     totals: dict = field(default_factory=dict)
+    reuse: dict | None = None         # prefix lookup of ensure_prefix / restore: hit, source, tokens/bytes, time saved
+    restore_ms: float | None = None   # restore: reading, verifying and loading the snapshot
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -249,8 +255,6 @@ class CellConfig:
         c.attention_requested = "dense" if att == "auto" else att
         pr = profile.get("prefixReuse", True)
         if isinstance(pr, str):
-            if pr.lower() in ("cross-session", "global"):
-                raise errors.Unsupported("profile.prefixReuse across sessions is not supported (within a session only)")
             pr = pr.lower() not in ("none", "off", "false", "disabled")
         c.prefix_reuse = bool(pr)
         c.context_tier = _parse_tier(spec.get("contextTier"))
@@ -271,12 +275,27 @@ class _Session:
     tokens: list[int] = field(default_factory=list)
     kv_len: int = 0
     blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # chain hash of each full computed block (kv_len // BS of them)
     logits: torch.Tensor | None = None     # [V] fp32, next-token logits after `tokens` (kv_len == len(tokens))
     busy: str | None = None                # the running operation's name
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     totals: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0,
                                                   "tokens_reused": 0, "tokens_computed": 0})
+
+
+@dataclass
+class _Plan:
+    """How ensure_prefix serves a prompt: from the session's own KV, or from cached blocks of any session."""
+
+    keep: int                                       # prompt tokens reused
+    source: str | None = None                       # "session" | "prefix-cache" | None (miss)
+    shared: list[int] = field(default_factory=list)   # prefix-cache: full blocks shared (refcount + 1)
+    hashes: list[bytes] = field(default_factory=list)
+    cow_src: int | None = None                      # prefix-cache: block whose first cow_len slots are copied
+    cow_len: int = 0
+    need: int = 0                                   # blocks to allocate
+    avail: int = 0                                  # blocks available once the session's own are released
 
 
 @dataclass
@@ -376,8 +395,11 @@ class Engine:
         self.decode_kernel = "torch-reference"
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
                           "prefix_cache_hits": 0, "tokens_computed_total": 0, "requests_total": 0,
-                          "decode_steps_total": 0, "decode_batch_tokens_total": 0}
+                          "decode_steps_total": 0, "decode_batch_tokens_total": 0,
+                          "prefix_cache_blocks_shared_total": 0, "prefix_cache_blocks_copied_total": 0}
         self._errors: dict[str, int] = {}
+        self._root = root_hash(self.reuse_key())       # every block chain of this identity starts here
+        self._prefill_tokens, self._prefill_s = 0, 0.0  # measured prefill rate, for the time-saved estimate
 
     # ---- construction
 
@@ -420,6 +442,11 @@ class Engine:
             "backend_version": f"modeld {__version__}; torch {torch.__version__}", "kv_dtype": cfg.kv,
             "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
             "params": sum(p.numel() for p in model.parameters()),
+            "adapter": (cfg.raw.get("model") or {}).get("adapter"),
+            # the artifact as the cell names it (family, ref, digest, format, adapter) plus the file loaded
+            "manifest_hash": "sha256:" + hashlib.sha256(json.dumps(
+                {"model": cfg.raw.get("model") or {}, "source_sha256": source_sha},
+                sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest(),
         }
         eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings)
         eng._try_decode_kernel()
@@ -527,9 +554,10 @@ class Engine:
 
     def _trim_blocks(self, s: _Session) -> None:
         """Free blocks beyond what ``s.tokens`` needs (after a decode reservation or an interrupted prefill)."""
+        del s.hashes[s.kv_len // self.kv.block_size :]
         keep = self.kv.blocks_for(len(s.tokens))
         if len(s.blocks) > keep:
-            self.kv.free(s.blocks[keep:])
+            self.kv.free(s.blocks[keep:][::-1])        # tail first: it is evicted first
             s.blocks = s.blocks[:keep]
 
     def _truncate(self, s: _Session, n: int) -> None:
@@ -553,6 +581,133 @@ class Engine:
                 f"{self.kv.free_blocks + released} available ({self.kv.budget_bytes >> 20} MiB budget, "
                 f"{len(self._sessions)} sessions)", needed_blocks=extra_blocks,
                 free_blocks=self.kv.free_blocks + released, budget_bytes=self.kv.budget_bytes))
+
+    # ---- prefix reuse (prefix_index.py; docs/reuse.md)
+
+    def reuse_key(self) -> dict[str, Any]:
+        """The cache identity: every field a block's K/V depends on. Hashed into the root of each block chain, and
+        compared field by field on restore."""
+        a = self.model.args
+        key: dict[str, Any] = {k: self.identity.get(k) for k in IDENTITY_KEY_FIELDS}
+        key["kv_layout"] = {"n_layers": a.n_layers, "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim}
+        key["block_size"] = self.kv.block_size
+        return key
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached block no session references (benchmarks' cold start). Returns how many."""
+        return self.kv.clear_cache()
+
+    def _register(self, s: _Session) -> None:
+        """Name the session's newly completed full blocks in the index (after prefill chunks, decode steps, restore)."""
+        bs = self.kv.block_size
+        if not self.config.prefix_reuse or s.kv_len // bs <= len(s.hashes):
+            return
+        idx = self.kv.index
+        for i in range(len(s.hashes), s.kv_len // bs):
+            parent = s.hashes[-1] if s.hashes else self._root
+            blk = s.tokens[i * bs : (i + 1) * bs]
+            h = chain_hash(parent, blk)
+            s.hashes.append(h)
+            idx.register(s.blocks[i], h, parent, blk)
+
+    def _cow_candidate(self, h: bytes, m: int, want: list[int], exclude: _Session) -> tuple[int | None, int]:
+        """After m matched full blocks (chain hash h): the block whose first tokens match ``want`` longest, among
+        cached blocks continuing h and live sessions' blocks at index m. Returns (block, matching tokens)."""
+        if not want:
+            return None, 0
+        bs = self.kv.block_size
+        idx = self.kv.index
+        cands: list[tuple[int, Sequence[int]]] = [(b, idx.tokens(b)) for b in idx.children(h)]
+        for o in self._sessions.values():
+            if (o is not exclude and o.kv_len > m * bs and len(o.hashes) >= m and len(o.blocks) > m
+                    and (m == 0 or o.hashes[m - 1] == h)):
+                cands.append((o.blocks[m], o.tokens[m * bs : min(o.kv_len, (m + 1) * bs)]))
+        best, best_n = None, 0
+        for b, t in cands:
+            n, lim = 0, min(len(t), len(want))
+            while n < lim and t[n] == want[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = b, n
+        return best, best_n
+
+    def _plan_prefix(self, s: _Session, toks: list[int]) -> _Plan:
+        """How ensure_prefix gets ``toks`` into s with the least compute; changes nothing. The session's own KV
+        (in place) wins ties; otherwise cached full blocks are shared and a mid-block divergence is copied."""
+        bs = self.kv.block_size
+        ref = self.kv.ref
+        own = 0
+        if self.config.prefix_reuse:
+            held = s.tokens[: s.kv_len]
+            lim = min(len(held), len(toks))
+            while own < lim and held[own] == toks[own]:
+                own += 1
+        plan = _Plan(keep=own, source="session" if own else None)
+        if self.config.prefix_reuse and len(toks) > 1:
+            cap = len(toks) - 1    # one token always runs: its logits start the decode and no shared slot is rewritten
+            shared: list[int] = []
+            hashes: list[bytes] = []
+            h = self._root
+            for i in range(cap // bs):
+                hi = chain_hash(h, toks[i * bs : (i + 1) * bs])
+                b = self.kv.index.lookup(hi)
+                if b is None:
+                    break
+                shared.append(b)
+                hashes.append(hi)
+                h = hi
+            m = len(shared) * bs
+            src, n = self._cow_candidate(h, len(shared), toks[m : min(cap, m + bs)], exclude=s)
+            if m + n > own:
+                plan = _Plan(keep=m + n, source="prefix-cache", shared=shared, hashes=hashes,
+                             cow_src=src if n else None, cow_len=n)
+        if plan.source == "prefix-cache":
+            held_now = set(plan.shared) | ({plan.cow_src} if plan.cow_src is not None else set())
+            plan.need = self.kv.blocks_for(len(toks)) - len(plan.shared)
+            plan.avail = (self.kv.free_blocks - sum(1 for b in held_now if ref[b] == 0)
+                          + sum(1 for b in s.blocks if b not in held_now and ref[b] == 1))
+        else:
+            kb = self.kv.blocks_for(plan.keep)
+            cow = int(plan.keep < len(toks) and plan.keep // bs < kb and ref[s.blocks[plan.keep // bs]] > 1)
+            plan.need = self.kv.blocks_for(len(toks)) - kb + cow
+            plan.avail = self.kv.free_blocks + sum(1 for b in s.blocks[kb:] if ref[b] == 1)
+        return plan
+
+    def _cow_need(self, s: _Session, pos: int) -> int:
+        """1 when writing at ``pos`` needs a private copy of a shared block first, else 0."""
+        i = pos // self.kv.block_size
+        return int(i < len(s.blocks) and self.kv.ref[s.blocks[i]] > 1)
+
+    async def _make_writable(self, s: _Session, pos: int) -> None:
+        """Before K/V is written at ``pos``: a block others share is copied (copy-on-write), a cached block only this
+        session holds is un-named (its content is about to change). Caller checked the budget (``_cow_need``)."""
+        bs = self.kv.block_size
+        i = pos // bs
+        del s.hashes[i:]
+        if i >= len(s.blocks):
+            return
+        b = s.blocks[i]
+        if self.kv.ref[b] > 1:
+            (nb,) = self.kv.allocate(1)
+            s.blocks[i] = nb
+            self.kv.free([b])
+            self._counters["prefix_cache_blocks_copied_total"] += 1
+            _, cancelled = await self._torch(self.kv.copy_block, b, nb, pos - i * bs)
+            if cancelled:
+                raise asyncio.CancelledError()
+        elif b in self.kv.index:
+            self.kv.forget(b)
+
+    def _prefill_rate(self) -> float | None:
+        """Measured prefill tokens/s of this engine so far (None before the first prefill)."""
+        return self._prefill_tokens / self._prefill_s if self._prefill_s > 0 else None
+
+    def _reuse_info(self, plan: _Plan, lookup_ms: float) -> dict[str, Any]:
+        rate = self._prefill_rate()
+        return {"hit": plan.keep > 0, "source": plan.source, "tokens_reused": plan.keep,
+                "bytes_reused": plan.keep * self.kv.bytes_per_token, "blocks_shared": len(plan.shared),
+                "blocks_copied": int(plan.cow_src is not None), "lookup_ms": lookup_ms,
+                "time_saved_ms_est": round(plan.keep / rate * 1e3, 3) if rate and plan.keep else 0.0}
 
     def _fatal(self, e: BaseException) -> errors.Fatal:
         self.ready = False
@@ -642,6 +797,9 @@ class Engine:
                 s.tokens.extend(part)
                 s.kv_len = len(s.tokens)
                 s.logits = logits
+                self._register(s)
+                self._prefill_tokens += len(part)
+                self._prefill_s += time.perf_counter() - t_job
                 if cancelled:
                     raise asyncio.CancelledError()
         finally:
@@ -671,40 +829,73 @@ class Engine:
             s = _Session(session_id)
         elif s.busy is not None:
             self._claim(s, "ensure_prefix")  # raises Conflict
-        keep = 0
-        if self.config.prefix_reuse:
-            held = s.tokens[: s.kv_len]
-            lim = min(len(held), len(toks))
-            while keep < lim and held[keep] == toks[keep]:
-                keep += 1
+        t_look = time.perf_counter()
+        plan = self._plan_prefix(s, toks)
+        lookup_ms = _ms(t_look)
+        keep = plan.keep
         nothing_to_do = keep == len(toks) == len(s.tokens) == s.kv_len
-        keep_blocks = self.kv.blocks_for(keep)
-        self._fits(self.kv.blocks_for(len(toks)) - keep_blocks, released=len(s.blocks) - keep_blocks)
+        if plan.need > plan.avail:
+            raise self._err(errors.Overflow(
+                f"KV memory budget exhausted: need {plan.need} more blocks of {self.kv.block_size} tokens, "
+                f"{plan.avail} available ({self.kv.budget_bytes >> 20} MiB budget, {len(self._sessions)} sessions; "
+                "blocks live sessions hold are never evicted)", needed_blocks=plan.need, free_blocks=plan.avail,
+                budget_bytes=self.kv.budget_bytes))
         if new_session:
             self._sessions[session_id] = s
         self._claim(s, "ensure_prefix")
         self._counters["requests_total"] += 1
         self._counters["prefix_cache_queries"] += len(toks)
         self._counters["prefix_cache_hits"] += keep
+        self._counters["prefix_cache_blocks_shared_total"] += len(plan.shared)
         tr_kw: dict[str, Any] = {"prompt_tokens": len(toks), "tokens_reused": keep,
-                                 "tokens_computed": len(toks) - keep, "fallback": self._fallback()}
+                                 "tokens_computed": len(toks) - keep, "fallback": self._fallback(),
+                                 "reuse": self._reuse_info(plan, lookup_ms)}
         try:
-            if not nothing_to_do:
+            if plan.source == "prefix-cache":
+                await self._attach(s, toks, plan)
+            elif not nothing_to_do:
                 self._truncate(s, keep)
-                self._grow(s, len(toks))
                 if keep < len(toks):
-                    tr_kw["prefill_ms"], q = await self._prefill(s, toks[keep:], deadline)
+                    await self._make_writable(s, keep)
+            if not nothing_to_do:
+                self._grow(s, len(toks))
+                if s.kv_len < len(toks):
+                    tr_kw["prefill_ms"], q = await self._prefill(s, toks[s.kv_len :], deadline)
                     tr_kw["queue_ms"] = q or 0.0
         except BaseException:
             # Timeout / cancel: the session holds the chunks computed so far (a prefix of toks); give back the rest
             self._trim_blocks(s)
-            if new_session and not s.tokens:
-                self.kv.free(s.blocks)
+            if new_session and s.kv_len <= keep:       # nothing computed: a new session is not created after all
+                self.kv.free(s.blocks[::-1])
+                s.blocks = []
                 self._sessions.pop(session_id, None)
             raise
         finally:
             s.busy = None
         return self._trace(s, t0, **tr_kw)
+
+    async def _attach(self, s: _Session, toks: list[int], plan: _Plan) -> None:
+        """Replace what s holds by the plan's shared blocks (+ a copied head of the divergence block); the caller
+        grows and prefills the rest. The copy source is held while the copy runs, so nothing evicts or rewrites it."""
+        src = plan.cow_src
+        self.kv.acquire(plan.shared + ([src] if src is not None else []))
+        old = s.blocks
+        s.blocks, s.hashes = list(plan.shared), list(plan.hashes)
+        s.tokens = toks[: len(plan.shared) * self.kv.block_size]
+        s.kv_len, s.logits = len(s.tokens), None
+        self.kv.free(old[::-1])
+        if src is None:
+            return
+        try:
+            self._grow(s, plan.keep)
+            _, cancelled = await self._torch(self.kv.copy_block, src, s.blocks[len(plan.shared)], plan.cow_len)
+        finally:
+            self.kv.free([src])
+        self._counters["prefix_cache_blocks_copied_total"] += 1
+        s.tokens = toks[: plan.keep]
+        s.kv_len = plan.keep
+        if cancelled:
+            raise asyncio.CancelledError()
 
     async def prefill_suffix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace:
         """Append ``tokens`` to the session. NotFound if absent; Overflow before any change; on Timeout or
@@ -721,7 +912,7 @@ class Engine:
                 f"session holds {len(s.tokens)} tokens; {len(toks)} more exceed the context tier of "
                 f"{self.context_tier}", session_id=session_id, session_tokens=len(s.tokens), tokens=len(toks),
                 context_tier=self.context_tier))
-        self._fits(self.kv.blocks_for(total) - len(s.blocks))
+        self._fits(self.kv.blocks_for(total) - len(s.blocks) + self._cow_need(s, s.kv_len))
         self._claim(s, "prefill_suffix")
         self._counters["requests_total"] += 1
         before = (list(s.tokens), s.kv_len, s.logits)
@@ -730,6 +921,7 @@ class Engine:
                                  "fallback": self._fallback()}
         try:
             if new:
+                await self._make_writable(s, s.kv_len)
                 self._grow(s, total)
                 tr_kw["prefill_ms"], q = await self._prefill(s, new, deadline)
                 tr_kw["queue_ms"] = q or 0.0
@@ -779,7 +971,9 @@ class Engine:
         if granted > room:
             granted, clamped = room, {"field": "max_tokens", "requested": max_tokens, "granted": room,
                                       "reason": "context tier"}
-        mem_room = (len(s.blocks) + self.kv.free_blocks) * self.kv.block_size - len(s.tokens)
+        rerun = s.logits is None and s.kv_len == len(s.tokens)        # the last token runs again first
+        cow = self._cow_need(s, s.kv_len - 1 if rerun else s.kv_len)
+        mem_room = (len(s.blocks) + self.kv.free_blocks - cow) * self.kv.block_size - len(s.tokens)
         if granted > mem_room:
             granted, clamped = mem_room, {"field": "max_tokens", "requested": max_tokens, "granted": mem_room,
                                           "reason": "kv memory budget"}
@@ -798,9 +992,15 @@ class Engine:
         req = _DecodeReq(session=s, params=params, granted=granted, stop_ids=stop_ids, stop=stop, deadline=deadline,
                          gen=gen, trace=trace, t0=t0)
         try:
-            self._grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
             if granted > 0 and s.logits is None and s.kv_len == len(s.tokens):
                 s.kv_len -= 1                            # logits unknown: re-run the last token first
+            if granted > 0:
+                try:
+                    await self._make_writable(s, s.kv_len)
+                except BaseException:
+                    req.done = True                      # never joined the decode loop: nothing to wait for
+                    raise
+            self._grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
             if granted == 0:
                 self._finish(req, "length")
             else:
@@ -929,6 +1129,7 @@ class Engine:
             for i, r in enumerate(batch):
                 r.session.kv_len += 1
                 r.session.logits = logits[i]
+                self._register(r.session)
             # rotate so a batch cap never starves the same requests
             if len(self._decode_reqs) > len(batch):
                 for r in batch:
@@ -943,12 +1144,13 @@ class Engine:
         if s.busy is not None:
             raise self._err(errors.Conflict(f"session {session_id!r} is busy ({s.busy}); cannot close it now",
                                             session_id=session_id, running=s.busy))
-        self.kv.free(s.blocks)
+        self.kv.free(s.blocks[::-1])       # full blocks stay cached (evictable, tail first); the rest is free
         s.blocks = []
         del self._sessions[session_id]
 
     def sessions(self) -> list[dict]:
         return [{"session_id": s.id, "tokens": len(s.tokens), "kv_tokens": s.kv_len, "kv_blocks": len(s.blocks),
+                 "kv_blocks_shared": sum(1 for b in s.blocks if self.kv.ref[b] > 1),
                  "kv_bytes": len(s.blocks) * self.kv.block_bytes, "busy": s.busy, "created": s.created,
                  "last_used": s.last_used, "totals": dict(s.totals)} for s in self._sessions.values()]
 
@@ -956,110 +1158,119 @@ class Engine:
         """The token ids the session holds (a copy). Added to the seam for clients and tests."""
         return list(self._session(session_id).tokens)
 
-    # ---- snapshots (v1)
+    # ---- snapshots (format: docs/reuse.md)
 
     def _snapshot_identity(self) -> dict[str, Any]:
-        keys = ("model_digest", "backend", "backend_version", "kv_dtype", "tokenizer_hash", "template_hash")
-        ident = {k: self.identity[k] for k in keys}
-        a = self.model.args
-        ident["kv_layout"] = {"n_layers": a.n_layers, "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim}
+        """What a snapshot must match to be restored here: the cache identity less the block size (the file holds
+        token order, not blocks)."""
+        ident = self.reuse_key()
+        ident.pop("block_size")
         return ident
 
     async def snapshot(self, session_id: str, path: str) -> dict:
-        """Write the session (K/V, token ids, identity, accounting) to ``path`` atomically.
+        """Write the session (K/V, token ids, identity, accounting) to ``path`` atomically: a temporary file in the
+        same directory, fsync, ``os.replace``, fsync of the directory. A failure leaves any earlier file at
+        ``path`` as it was and no partial file under that name.
 
-        File: MAGIC(16) | u32 version | u64 header length | header JSON | payload | sha256(32) of all before it.
-        Payload: K then V as [L, kv_len, Hkv, D] in the KV dtype, then the next-token logits [V] fp32 if known.
+        File (v2): MAGIC(16) | u32 version | u64 header length | header JSON (space-padded so the payload starts
+        64-byte aligned) | payload tensors as the header's table lists them | sha256(32) of everything before it.
         """
+        t0 = time.perf_counter()
         self._check_ready()
         s = self._session(session_id)
         self._claim(s, "snapshot")
         try:
             def work() -> dict:
-                k, v = self.kv.read_tokens(s.blocks, s.kv_len)
-                parts = [_tensor_bytes(k), _tensor_bytes(v)]
-                if s.logits is not None:
-                    parts.append(s.logits.float().numpy().tobytes())
+                a = self.model.args
+                k, v = self.kv.read_tokens(s.blocks, s.kv_len)           # k, v: [L, kv_len, Hkv, D] (copies)
+                tensors = [("k", k), ("v", v)] + ([("logits", s.logits.float())] if s.logits is not None else [])
+                table, off = [], 0
+                for name, t in tensors:
+                    n = t.numel() * t.element_size()
+                    table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                  "offset": off, "bytes": n})
+                    off += n
                 header = {"version": SNAPSHOT_VERSION, "identity": self._snapshot_identity(),
                           "session": {"tokens": s.tokens, "kv_len": s.kv_len, "totals": s.totals,
-                                      "has_logits": s.logits is not None, "vocab_size": self.vocab_size},
-                          "payload_bytes": [len(p) for p in parts], "created": time.time()}
+                                      "has_logits": s.logits is not None, "vocab_size": self.vocab_size,
+                                      "kv_layout": [a.n_layers, s.kv_len, a.n_kv_heads, a.head_dim]},
+                          "payload": table, "payload_bytes": off, "writer": f"modeld {__version__}",
+                          "created": time.time()}
                 hb = json.dumps(header, separators=(",", ":")).encode()
-                body = SNAPSHOT_MAGIC + struct.pack("<IQ", SNAPSHOT_VERSION, len(hb)) + hb + b"".join(parts)
-                digest = hashlib.sha256(body).digest()
-                d = os.path.dirname(os.path.abspath(path))
-                os.makedirs(d, exist_ok=True)
-                tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(body)
-                        f.write(digest)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-                return {"path": path, "bytes": len(body) + 32, "sha256": digest.hex(), "version": SNAPSHOT_VERSION,
+                pad = -(len(SNAPSHOT_MAGIC) + 12 + len(hb)) % 64
+                hb += b" " * pad
+                head = SNAPSHOT_MAGIC + struct.pack("<IQ", SNAPSHOT_VERSION, len(hb)) + hb
+                size, digest = _write_atomic(path, [head] + [_tensor_view(t) for _, t in tensors])
+                return {"path": path, "bytes": size, "sha256": digest, "version": SNAPSHOT_VERSION,
                         "session_tokens": len(s.tokens), "kv_tokens": s.kv_len, "identity": header["identity"]}
 
             fut = asyncio.get_running_loop().run_in_executor(self._executor, work)
             try:
-                return await asyncio.shield(fut)
+                info = await asyncio.shield(fut)
             except asyncio.CancelledError:
                 await asyncio.wait({fut})
                 raise
+            info["write_ms"] = _ms(t0)
+            return info
         except OSError as e:
             raise self._err(errors.BadRequest(f"cannot write snapshot to {path}: {e}", path=path)) from e
         finally:
             s.busy = None
 
     async def restore(self, session_id: str, path: str) -> Trace:
-        """Load a snapshot into ``session_id`` (replacing what it held). Refuses foreign, corrupt or truncated files
-        with BadRequest, a missing one with NotFound; on any error the session is untouched."""
+        """Load a snapshot into ``session_id`` (replacing what it held). Refuses foreign, corrupt, truncated or
+        other-version files with BadRequest, a missing one with NotFound, one beyond the tier or the budget with
+        Overflow; on any error the session is untouched. The file is read in one go into a buffer, verified, and
+        its K/V copied into the session's blocks with one indexed copy per tensor (no per-token work)."""
         t0 = time.perf_counter()
         self._check_ready()
         if not os.path.isfile(path):
             raise self._err(errors.NotFound(f"snapshot {path} not found", path=path))
-        with open(path, "rb") as f:
-            data = f.read()
+        try:
+            header, buf, base = await asyncio.to_thread(_read_snapshot, path)
+        except _SnapshotError as e:
+            raise self._err(errors.BadRequest(f"snapshot {path} refused: {e}", path=path, **e.details)) from None
+        except OSError as e:
+            raise self._err(errors.BadRequest(f"snapshot {path} refused: unreadable: {e}", path=path)) from None
 
         def bad(msg: str, **kw: Any) -> errors.BadRequest:
             return self._err(errors.BadRequest(f"snapshot {path} refused: {msg}", path=path, **kw))
 
-        head = len(SNAPSHOT_MAGIC) + 12
-        if len(data) < head + 32 or not data.startswith(SNAPSHOT_MAGIC):
-            raise bad("not a modeld snapshot (bad magic or too short)")
-        if hashlib.sha256(data[:-32]).digest() != data[-32:]:
-            raise bad("checksum mismatch: the file is corrupt or truncated")
-        version, hlen = struct.unpack("<IQ", data[len(SNAPSHOT_MAGIC) : head])
-        if version != SNAPSHOT_VERSION:
-            raise bad(f"snapshot version {version}, this worker reads {SNAPSHOT_VERSION}")
-        try:
-            header = json.loads(data[head : head + hlen])
-        except ValueError as e:
-            raise bad(f"unreadable header: {e}") from None
-        mine, theirs = self._snapshot_identity(), header.get("identity", {})
+        mine, theirs = self._snapshot_identity(), header.get("identity") or {}
         diff = {k: {"snapshot": theirs.get(k), "engine": v} for k, v in mine.items() if theirs.get(k) != v}
         if diff:
             raise bad("foreign snapshot (identity differs: " + ", ".join(sorted(diff)) + ")", mismatch=diff)
-        sess = header["session"]
-        toks = self._validate_tokens(sess["tokens"], "snapshot tokens")
-        kv_len = int(sess["kv_len"])
+        try:
+            sess = header["session"]
+            toks = self._validate_tokens(sess["tokens"], "snapshot tokens")
+            kv_len = int(sess["kv_len"])
+            table = {t["name"]: t for t in header["payload"]}
+            a = self.model.args
+            shape = (a.n_layers, kv_len, a.n_kv_heads, a.head_dim)
+            store = str(self.kv.fmt.storage).removeprefix("torch.")
+            for name in ("k", "v"):
+                t = table[name]
+                if tuple(t["shape"]) != shape or t["dtype"] != store:
+                    raise bad(f"tensor {name} is {t['dtype']}{t['shape']}, expected {store}{list(shape)}")
+            if sess.get("has_logits") and (tuple(table["logits"]["shape"]) != (self.vocab_size,)
+                                           or table["logits"]["dtype"] != "float32"):
+                raise bad("logits do not match the vocabulary")
+            ends = [base + t["offset"] + t["bytes"] for t in table.values()]
+            if max(ends, default=base) > len(buf) - 32:
+                raise bad("payload table points past the end of the file")
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, errors.ContractError):
+                raise
+            raise bad(f"malformed header: {type(e).__name__}: {e}") from None
         if not len(toks) - 1 <= kv_len <= len(toks) or kv_len < 0:
             raise bad(f"kv_len {kv_len} inconsistent with {len(toks)} tokens")
-        sizes = header["payload_bytes"]
-        a = self.model.args
-        per_kv = a.n_layers * kv_len * a.n_kv_heads * a.head_dim * self.kv.fmt.bytes_per_element
-        if sizes[:2] != [per_kv, per_kv] or head + hlen + sum(sizes) + 32 != len(data):
-            raise bad("payload sizes do not match the header")
         if len(toks) > self.context_tier:
             raise self._err(errors.Overflow(f"snapshot holds {len(toks)} tokens, beyond the context tier "
                                             f"{self.context_tier}", session_id=session_id))
         s = self._sessions.get(session_id)
         if s is not None and s.busy is not None:
             self._claim(s, "restore")
-        released = len(s.blocks) if s is not None else 0
+        released = sum(1 for b in s.blocks if self.kv.ref[b] == 1) if s is not None else 0
         self._fits(self.kv.blocks_for(len(toks)), released=released)
         # ---- commit (nothing below can fail on input)
         if s is None:
@@ -1067,28 +1278,29 @@ class Engine:
             self._sessions[session_id] = s
         self._claim(s, "restore")
         try:
-            self.kv.free(s.blocks)
-            s.blocks = []
+            self.kv.free(s.blocks[::-1])
+            s.blocks, s.hashes = [], []
             s.tokens, s.kv_len, s.logits = [], 0, None
             self._grow(s, len(toks))
-            off = head + hlen
-            shape = (a.n_layers, kv_len, a.n_kv_heads, a.head_dim)
-            k = _bytes_tensor(data[off : off + sizes[0]], self.kv.fmt.storage, shape)
-            v = _bytes_tensor(data[off + sizes[0] : off + 2 * sizes[0]], self.kv.fmt.storage, shape)
+            k = _buffer_tensor(buf, base + table["k"]["offset"], self.kv.fmt.storage, shape)
+            v = _buffer_tensor(buf, base + table["v"]["offset"], self.kv.fmt.storage, shape)
             logits = None
             if sess.get("has_logits"):
-                lo = off + 2 * sizes[0]
-                logits = torch.frombuffer(bytearray(data[lo : lo + sizes[2]]), dtype=torch.float32).clone()
+                logits = _buffer_tensor(buf, base + table["logits"]["offset"], torch.float32,
+                                        (self.vocab_size,)).clone()
             _, cancelled = await self._torch(self.kv.write_tokens, s.blocks, k, v)
             s.tokens, s.kv_len, s.logits = toks, kv_len, logits
             s.totals = {k2: int(sess["totals"].get(k2, 0)) for k2 in s.totals}
+            self._register(s)
             if cancelled:
                 raise asyncio.CancelledError()
         finally:
             s.busy = None
-        tr = Trace(session_id=s.id, tokens_reused=0, session_tokens=len(s.tokens),
-                   kv_bytes=len(s.blocks) * self.kv.block_bytes, total_ms=_ms(t0), totals=dict(s.totals))
-        return tr
+        ms = _ms(t0)
+        return Trace(session_id=s.id, tokens_reused=0, session_tokens=len(s.tokens),
+                     kv_bytes=len(s.blocks) * self.kv.block_bytes, total_ms=ms, totals=dict(s.totals),
+                     restore_ms=ms, reuse={"hit": False, "source": "snapshot", "tokens_restored": kv_len,
+                                           "bytes_read": len(buf), "blocks_written": len(s.blocks)})
 
     # ---- introspection
 
@@ -1126,13 +1338,25 @@ class Engine:
             "attention": {"mode": "dense", "requested": self.config.attention_requested,
                           "prefill": "torch flash (CPU) past+causal merge" if self.kv.k.device.type == "cpu"
                           else "torch sdpa", "decode": self.decode_kernel},
-            "prefix_reuse": "session" if self.config.prefix_reuse else "off",
+            "prefix_reuse": "cross-session" if self.config.prefix_reuse else "off",
+            "reuse": self.reuse_report(),
             "snapshot": {"version": SNAPSHOT_VERSION, "supported": True},
             "sampling": {"greedy": True, "temperature": [0, 10], "top_p": "(0, 1]", "top_k": [0, a.vocab_size],
                          "seed": True, "stop_strings": True},
             "unsupported": list(UNSUPPORTED_MODES),
             "ready": self.ready,
         }
+
+    def reuse_report(self) -> dict:
+        """Prefix reuse as the capability report shows it."""
+        idx = self.kv.index
+        return {"enabled": self.config.prefix_reuse,
+                "scope": "cross-session" if self.config.prefix_reuse else "off",
+                "block_size": self.kv.block_size, "cached_blocks": len(idx),
+                "cached_tokens": len(idx) * self.kv.block_size, "evictable_blocks": idx.evictable,
+                "evictions": idx.evictions, "identity_key_fields": list(IDENTITY_KEY_FIELDS),
+                "identity_root": self._root.hex(), "eviction": "LRU over unreferenced cached blocks",
+                "prefill_tok_s_measured": round(r, 1) if (r := self._prefill_rate()) else None}
 
     def metrics(self) -> dict:
         running = len(self._decode_reqs) + self._running_prefills
@@ -1142,6 +1366,9 @@ class Engine:
             "kv_cache_usage_perc": self.kv.usage_ratio,
             "sessions": len(self._sessions),
             **self._counters,
+            "prefix_cache_evictions": self.kv.index.evictions,
+            "prefix_cache_blocks": len(self.kv.index),
+            "prefix_cache_evictable_blocks": self.kv.index.evictable,
             "errors_total": dict(self._errors),
             "ready": self.ready,
             "cache_config_info": {"block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks,
@@ -1149,14 +1376,90 @@ class Engine:
         }
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+class _SnapshotError(Exception):
+    def __init__(self, msg: str, **details: Any) -> None:
+        super().__init__(msg)
+        self.details = details
+
+
+def _tensor_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor without copying (bf16/fp16 through an int16 view: numpy has no bfloat16)."""
     t = t.contiguous().cpu()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    return memoryview(t.numpy()).cast("B")
 
 
-def _bytes_tensor(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _buffer_tensor(buf: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``buf`` (no copy)."""
+    n = math.prod(shape)
     if dtype in (torch.bfloat16, torch.float16):
-        return torch.frombuffer(bytearray(b), dtype=torch.int16).view(dtype).reshape(shape)
-    return torch.frombuffer(bytearray(b), dtype=dtype).reshape(shape)
+        return torch.frombuffer(buf, dtype=torch.int16, count=n, offset=offset).view(dtype).reshape(shape)
+    return torch.frombuffer(buf, dtype=dtype, count=n, offset=offset).reshape(shape)
+
+
+def _write_chunk(f: Any, b: Any) -> None:
+    f.write(b)
+
+
+def _write_atomic(path: str, parts: Sequence[Any]) -> tuple[int, str]:
+    """Write parts + their sha256 to ``path``: tmp file beside it, fsync, os.replace, fsync the directory.
+    Returns (bytes, sha256 hex). On any failure the tmp file is removed and ``path`` is untouched."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with open(tmp, "wb") as f:
+            for p in parts:
+                h.update(p)
+                _write_chunk(f, p)
+                size += memoryview(p).nbytes
+            digest = h.digest()
+            _write_chunk(f, digest)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):                 # make the rename durable (not every filesystem allows it)
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return size + 32, digest.hex()
+
+
+def _read_snapshot(path: str) -> tuple[dict, bytearray, int]:
+    """Read and verify a snapshot file in one go: (header, whole file buffer, payload offset). _SnapshotError names
+    what is wrong: magic, version, checksum (corrupt or truncated), header."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        got = f.readinto(buf)
+    if got != size:
+        raise _SnapshotError(f"short read ({got} of {size} bytes)")
+    head = len(SNAPSHOT_MAGIC) + 12
+    if size < head + 32 or not buf.startswith(SNAPSHOT_MAGIC):
+        raise _SnapshotError("not a modeld snapshot (bad magic or too short)")
+    version, hlen = struct.unpack_from("<IQ", buf, len(SNAPSHOT_MAGIC))
+    if version != SNAPSHOT_VERSION:
+        raise _SnapshotError(f"snapshot format version {version}, this worker reads version {SNAPSHOT_VERSION} "
+                             "(re-create the snapshot with this worker)", version=version,
+                             supported=SNAPSHOT_VERSION)
+    mv = memoryview(buf)
+    if hashlib.sha256(mv[:-32]).digest() != bytes(mv[-32:]):
+        raise _SnapshotError("checksum mismatch: the file is corrupt or truncated")
+    if head + hlen > size - 32:
+        raise _SnapshotError("header length points past the end of the file")
+    try:
+        header = json.loads(bytes(mv[head : head + hlen]))
+    except ValueError as e:
+        raise _SnapshotError(f"unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise _SnapshotError("header is not a JSON object")
+    return header, buf, head + hlen

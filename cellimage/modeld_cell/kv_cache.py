@@ -5,6 +5,11 @@ Layout (vLLM "NHD", what ``kernels/paged_decode`` reads):
 The whole pool is allocated once, at the budget; sessions own lists of block ids (their block tables). Allocation
 checks the free list first and raises ``errors.Overflow`` before touching any state, so a refused request leaves
 every session as it was.
+
+Blocks are refcounted: a full block can be shared by several sessions (prefix reuse, ``prefix_index.PrefixIndex``).
+A block whose count drops to 0 goes back to the free list, or, when the index names it, stays cached and evictable
+(LRU); allocation takes free blocks first and evicts cached ones only when the free list is empty. A block some
+session references is never evicted, so Overflow means the *live* blocks exhaust the budget.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import errors
+from .prefix_index import PrefixIndex
 
 DEFAULT_BLOCK_SIZE = 16            # tokens per block
 DEFAULT_KV_MEMORY_MIB = 1024       # budget when the spec gives no kvMemoryMiB
@@ -73,6 +79,8 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=fmt.storage, device=device)
         self._free: list[int] = list(range(self.num_blocks))           # min-heap: low ids first keeps runs contiguous
         heapq.heapify(self._free)
+        self.ref: list[int] = [0] * self.num_blocks                     # sessions (and copies in flight) per block
+        self.index = PrefixIndex(block_size)
 
     # ---- sizes (bytes)
 
@@ -92,11 +100,18 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: never used, or cached but unreferenced (evicted on demand)."""
+        return len(self._free) + self.index.evictable
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some session references (vLLM's usage: cached unreferenced blocks count as free)."""
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks the prefix index names (referenced or not)."""
+        return len(self.index)
 
     @property
     def usage_ratio(self) -> float:
@@ -115,11 +130,11 @@ class PagedKVCache:
         """
         if n_blocks < 0:
             raise ValueError(f"n_blocks {n_blocks} < 0")
-        if n_blocks > len(self._free):
+        if n_blocks > self.free_blocks:
             raise errors.Overflow(
                 f"KV memory exhausted: need {n_blocks} blocks ({n_blocks * self.block_size} tokens), "
-                f"{len(self._free)} free of {self.num_blocks}",
-                needed_blocks=n_blocks, free_blocks=len(self._free), block_size=self.block_size,
+                f"{self.free_blocks} free of {self.num_blocks}",
+                needed_blocks=n_blocks, free_blocks=self.free_blocks, block_size=self.block_size,
                 budget_bytes=self.budget_bytes)
         out: list[int] = []
         if after is not None and n_blocks:
@@ -132,13 +147,51 @@ class PagedKVCache:
                 taken = set(out)
                 self._free = [b for b in self._free if b not in taken]
                 heapq.heapify(self._free)
-        while len(out) < n_blocks:
+        while len(out) < n_blocks and self._free:
             out.append(heapq.heappop(self._free))
+        while len(out) < n_blocks:
+            out.append(self.index.evict())                          # least recently used unreferenced block
+        for b in out:
+            self.ref[b] = 1
         return out
 
-    def free(self, blocks: list[int]) -> None:
+    def acquire(self, blocks: list[int]) -> None:
+        """One more reference to each (cached or live) block; a cached unreferenced one leaves the LRU."""
         for b in blocks:
+            if self.ref[b] == 0:
+                if b not in self.index:
+                    raise ValueError(f"block {b} is free; only live or cached blocks can be shared")
+                self.index.unpark(b)
+            self.ref[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block, in order. At 0 a cached block joins the LRU's recent end (so release a
+        chain tail first: its tail is then evicted first), any other block the free list."""
+        for b in blocks:
+            if self.ref[b] <= 0:
+                raise ValueError(f"block {b} released more often than referenced")
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.index:
+                    self.index.park(b)
+                else:
+                    heapq.heappush(self._free, b)
+
+    def forget(self, block: int) -> None:
+        """Un-name a block (it is about to be overwritten by its only holder)."""
+        self.index.unregister(block)
+
+    def clear_cache(self) -> int:
+        """Free every cached unreferenced block (a cold start for benchmarks); returns how many."""
+        out = self.index.clear_unreferenced()
+        for b in out:
             heapq.heappush(self._free, b)
+        return len(out)
+
+    def copy_block(self, src: int, dst: int, n: int) -> None:
+        """K/V of the first n slots of block src into block dst, all layers (copy-on-write; torch thread)."""
+        self.k[:, dst, :n].copy_(self.k[:, src, :n])
+        self.v[:, dst, :n].copy_(self.v[:, src, :n])
 
     # ---- data (torch thread)
 
@@ -174,6 +227,7 @@ class PagedKVCache:
 
     def stats(self) -> dict:
         return {"dtype": self.fmt.name, "block_size": self.block_size, "num_blocks": self.num_blocks,
-                "free_blocks": self.free_blocks, "bytes_per_token": self.bytes_per_token,
+                "free_blocks": self.free_blocks, "cached_blocks": self.cached_blocks,
+                "evictable_blocks": self.index.evictable, "evictions": self.index.evictions, "bytes_per_token": self.bytes_per_token,
                 "budget_bytes": self.budget_bytes, "max_tokens": self.max_tokens,
                 "usage_ratio": self.usage_ratio}

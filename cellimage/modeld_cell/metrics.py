@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .errors import HTTP_STATUS
@@ -39,6 +39,8 @@ NAMES = {
     "generation_tokens_total": "Tokens generated.",
     "prefix_cache_queries_total": "Prompt tokens looked up in the KV already held (vLLM counts tokens, not requests).",
     "prefix_cache_hits_total": "Prompt tokens found in KV already held and so not recomputed.",
+    "prefix_cache_blocks": "KV blocks the cross-session prefix index names (shared or cached unreferenced).",
+    "prefix_cache_evictions_total": "Cached unreferenced KV blocks evicted (LRU) to make room.",
     "time_to_first_token_seconds": "Decode request arrival to its first token.",
     "inter_token_latency_seconds": "Time between consecutive generated tokens.",
     "e2e_request_latency_seconds": "Whole session request (prefix, suffix, decode, restore), arrival to last byte.",
@@ -149,6 +151,13 @@ class _EngineGauges(Collector):
             g = GaugeMetricFamily(P + name, NAMES[name], labels=["model_name"])
             g.add_metric([self.model_name], float(value))
             yield g
+        g = GaugeMetricFamily(P + "prefix_cache_blocks", NAMES["prefix_cache_blocks"], labels=["model_name"])
+        g.add_metric([self.model_name], float(m.get("prefix_cache_blocks", 0)))
+        yield g
+        c = CounterMetricFamily(P + "prefix_cache_evictions", NAMES["prefix_cache_evictions_total"],
+                                labels=["model_name"])
+        c.add_metric([self.model_name], float(m.get("prefix_cache_evictions", 0)))
+        yield c
         cfg = self.read_cache_config()
         if cfg:
             labels = {k: str(v) for k, v in sorted(cfg.items())}

@@ -174,6 +174,16 @@ class Trace(_Response):
         '"reason": "prompt shorter than 4096"}.'
     )
     totals: TraceTotals = Field(description="Cumulative over the session.")
+    reuse: dict[str, Any] | None = Field(
+        default=None,
+        description="Prefix lookup (prefix and restore requests; null otherwise): hit, source (session | prefix-cache "
+        "| snapshot | null), tokens_reused, bytes_reused, blocks_shared, blocks_copied (copy-on-write at a mid-block "
+        "divergence), lookup_ms, time_saved_ms_est (reused tokens at the engine's measured prefill rate); for a "
+        "restore: tokens_restored, bytes_read, blocks_written.",
+    )
+    restore_ms: float | None = Field(
+        default=None, description="Restore only: reading, verifying and loading the snapshot, in ms."
+    )
 
 
 class SessionResponse(_Response):

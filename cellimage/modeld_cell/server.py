@@ -164,6 +164,8 @@ class Worker:
             "num_requests_waiting": float(m.get("num_requests_waiting", 0)),
             "kv_cache_usage_perc": float(m.get("kv_cache_usage_perc", 0.0)),
             "sessions_active": float(m.get("sessions", 0)),
+            "prefix_cache_blocks": float(m.get("prefix_cache_blocks", 0)),
+            "prefix_cache_evictions": float(m.get("prefix_cache_evictions", 0)),
         }
 
     def _cache_config(self) -> Mapping[str, Any] | None:

@@ -46,7 +46,9 @@ async def test_multi_turn_token_accounting_adds_up(client, sid):
     status, out = await call(client, "POST", base + "/prefix", {"tokens": p})
     assert status == 200, out
     t = schemas.SessionResponse.model_validate(out).trace
-    assert (t.prompt_tokens, t.tokens_reused, t.tokens_computed, t.session_tokens) == (len(p), 0, len(p), len(p))
+    # a new session may share the head of another live session's KV (cross-session prefix reuse)
+    assert (t.prompt_tokens, t.tokens_reused + t.tokens_computed, t.session_tokens) == (len(p), len(p), len(p))
+    assert t.tokens_computed >= 1
     traces.append(t)
     history = list(p)
 

@@ -1,0 +1,187 @@
+"""Cross-session prefix reuse on the real SmolLM2 (fp32): exact hits, copy-on-write branches, edits, identity, eviction.
+
+Small engines share the loaded weights (``make_engine``); each has its own KV pool and prefix index unless a test
+builds two engines over one pool to show that the cache identity keeps them apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeld_cell import errors
+from modeld_cell.engine import CellConfig, Engine, EngineSettings
+from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.prefix_index import IDENTITY_KEY_FIELDS, chain_hash
+
+from .cellutil import LOGIT_ATOL, full_logits, generate, greedy_reference
+from .conftest import SPEC
+
+pytestmark = pytest.mark.cell
+
+TEXT = ("The lighthouse keeper counted the ships every night and wrote their names in a blue book. "
+        "One winter a ship without a name came into the harbour, and nobody on board would say where from. ")
+
+
+def prompt(engine: Engine, n: int, text: str = TEXT) -> list[int]:
+    ids = engine.tokenizer.encode(text * 8)[:n]
+    assert len(ids) == n
+    return ids
+
+
+def assert_exact(eng: Engine, sid: str, toks: list[int]) -> None:
+    """The session's next-token logits equal a one-pass recompute of what it holds."""
+    torch.testing.assert_close(eng._sessions[sid].logits, full_logits(eng, toks)[-1], atol=LOGIT_ATOL, rtol=0)
+
+
+async def test_cross_session_hit_is_exact(engine, make_engine):
+    eng = make_engine(kv_mib=16)
+    off = make_engine(kv_mib=16, profile={**SPEC["profile"], "prefixReuse": False})
+    p = prompt(engine, 45)
+    await eng.ensure_prefix("a", p)
+    a_out, _, _ = await generate(eng, "a", 6, stop_token_ids=[])
+    eng.close_session("a")                               # its full blocks stay cached
+    assert eng.kv.cached_blocks == 3 and eng.kv.index.evictable == 3
+    tr = await eng.ensure_prefix("b", p)
+    # 2 full blocks shared, the divergence block's first 12 tokens copied; the last token runs (its logits start decode)
+    assert (tr.tokens_reused, tr.tokens_computed) == (44, 1)
+    assert tr.reuse["source"] == "prefix-cache" and tr.reuse["blocks_shared"] == 2 and tr.reuse["blocks_copied"] == 1
+    assert_exact(eng, "b", p)
+    b_out, _, _ = await generate(eng, "b", 6, stop_token_ids=[])
+    tr_off = await off.ensure_prefix("c", p)
+    assert tr_off.tokens_reused == 0 and off.kv.cached_blocks == 0      # prefixReuse off: nothing is shared
+    c_out, _, _ = await generate(off, "c", 6, stop_token_ids=[])
+    assert a_out == b_out == c_out == greedy_reference(engine, p, 6)
+    # full blocks a live session holds are shared, not copied: refcount 2
+    tr = await eng.ensure_prefix("d", p + b_out[:3])
+    assert tr.tokens_reused == len(p) + 2
+    shared = set(eng._sessions["b"].blocks) & set(eng._sessions["d"].blocks)
+    assert len(shared) == 2 and all(eng.kv.ref[x] == 2 for x in shared)
+
+
+async def test_branch_copies_the_divergence_block(engine, make_engine):
+    eng = make_engine(kv_mib=16)
+    p = prompt(engine, 45)
+    await eng.ensure_prefix("trunk", p)
+    trunk = eng._sessions["trunk"]
+    tail_before = (eng.kv.k[:, trunk.blocks[2]].clone(), eng.kv.v[:, trunk.blocks[2]].clone())
+    branch = p[:37] + engine.tokenizer.encode(" Then the bells rang twice and the story changed.")
+    tr = await eng.ensure_prefix("branch", branch)
+    assert tr.tokens_reused == 37 and tr.tokens_computed == len(branch) - 37
+    assert tr.reuse["blocks_shared"] == 2 and tr.reuse["blocks_copied"] == 1
+    b = eng._sessions["branch"]
+    assert b.blocks[:2] == trunk.blocks[:2] and b.blocks[2] != trunk.blocks[2]
+    # the trunk's partly filled block was copied, never written
+    assert torch.equal(eng.kv.k[:, trunk.blocks[2]], tail_before[0])
+    assert torch.equal(eng.kv.v[:, trunk.blocks[2]], tail_before[1])
+    assert_exact(eng, "branch", branch)
+    got, _, _ = await generate(eng, "branch", 5, stop_token_ids=[])
+    assert got == greedy_reference(engine, branch, 5)
+    got, _, _ = await generate(eng, "trunk", 5, stop_token_ids=[])
+    assert got == greedy_reference(engine, p, 5)
+    # the trunk now edits inside a block the branch shares: it gets its own copy; the branch is unaffected
+    edited = p[:20] + [p[20] + 1] + p[21:30]
+    tr = await eng.ensure_prefix("trunk", edited)
+    assert tr.tokens_reused == 20 and eng._sessions["trunk"].blocks[1] != b.blocks[1]
+    assert_exact(eng, "trunk", edited)
+    got, _, _ = await generate(eng, "branch", 3, stop_token_ids=[])
+    held = eng.session_tokens("branch")
+    assert got == greedy_reference(engine, held[: len(held) - 3], 3)
+
+
+@pytest.mark.parametrize("at", [0, 16, 23, 40], ids=lambda n: f"edit{n}")
+async def test_edit_stops_reuse_at_the_first_changed_token(engine, make_engine, at):
+    eng = make_engine(kv_mib=16)
+    p = prompt(engine, 50)
+    await eng.ensure_prefix("orig", p)
+    eng.close_session("orig")
+    edited = list(p)
+    edited[at] = (edited[at] + 7) % engine.vocab_size
+    tr = await eng.ensure_prefix("edited", edited)
+    assert tr.tokens_reused == at and tr.tokens_computed == len(p) - at
+    assert tr.reuse["hit"] is (at > 0) and tr.reuse["blocks_shared"] == at // 16
+    assert tr.reuse["blocks_copied"] == int(at % 16 != 0)
+    assert_exact(eng, "edited", edited)
+
+
+def _twin(engine: Engine, cache: PagedKVCache, **identity) -> Engine:
+    cfg = CellConfig.from_spec({**SPEC, "kvMemoryMiB": 16})
+    return Engine(engine.model, engine.tokenizer, cache, cfg, dict(engine.identity, **identity),
+                  EngineSettings(threads=torch.get_num_threads()))
+
+
+IDENTITY_FIELDS = [f for f in IDENTITY_KEY_FIELDS if f not in ("kv_layout", "block_size")]
+
+
+@pytest.mark.parametrize("field", IDENTITY_FIELDS)
+async def test_identity_is_part_of_the_key(engine, field):
+    """Two engines over ONE KV pool: the same identity shares blocks; any one field changed shares none."""
+    a = engine.model.args
+    cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format("fp32"), 8 << 20)
+    first, same, other = (_twin(engine, cache), _twin(engine, cache),
+                          _twin(engine, cache, **{field: f"changed-{field}"}))
+    try:
+        p = prompt(engine, 48)
+        await first.ensure_prefix("s", p)
+        first.close_session("s")
+        assert (await same.ensure_prefix("s", p)).tokens_reused == 47   # control: same identity hits
+        tr = await other.ensure_prefix("s", p)
+        assert tr.tokens_reused == 0 and tr.reuse["hit"] is False
+        assert other.reuse_key()[field] != first.reuse_key()[field]
+    finally:
+        for e in (first, same, other):
+            e.shutdown()
+
+
+async def test_eviction_is_lru_and_spares_live_blocks(engine, make_engine):
+    eng = make_engine(kv_mib=4)                         # 5 blocks of 16 tokens
+    assert eng.kv.num_blocks == 5
+    x, y = prompt(engine, 16), prompt(engine, 16, "Completely different words about cooking rice slowly. ")
+    z = prompt(engine, 80, "Numbers: one two three four five six seven eight nine ten eleven twelve. ")
+    idx, root = eng.kv.index, eng._root
+    await eng.ensure_prefix("x", x)
+    eng.close_session("x")
+    await eng.ensure_prefix("y", y)
+    eng.close_session("y")
+    hx, hy = chain_hash(root, x), chain_hash(root, y)
+    bx, by = idx.lookup(hx), idx.lookup(hy)
+    assert idx.evictable_blocks() == [bx, by]           # least recent first
+    tr = await eng.ensure_prefix("x2", x)               # a hit touches x's block: y's is now the oldest
+    assert tr.tokens_reused == 15
+    eng.close_session("x2")
+    assert idx.evictable_blocks() == [by, bx]
+    assert eng.kv.free_blocks == 5 and eng.kv.used_blocks == 0
+    await eng.ensure_prefix("z", z[:64])                # 4 blocks: 3 free + the least recently used cached one
+    assert idx.evictions == 1 and idx.lookup(hy) is None and idx.lookup(hx) == bx
+    assert eng.metrics()["prefix_cache_evictions"] == 1
+    # live blocks are never evicted: only x's cached block is available, so 2 more blocks is an Overflow
+    live = list(eng._sessions["z"].blocks)
+    with pytest.raises(errors.Overflow):
+        await eng.ensure_prefix("w", y + z[:17])
+    assert "w" not in eng._sessions and eng._sessions["z"].blocks == live and idx.lookup(hx) == bx
+    tr = await eng.ensure_prefix("w", y)                # 1 block: evicts x's, the only unreferenced one
+    assert tr.tokens_reused == 0 and idx.evictions == 2 and idx.lookup(hx) is None
+    assert eng._sessions["z"].blocks == live
+    assert eng.kv.used_blocks == 5 and eng.kv.usage_ratio == 1.0
+    eng.close_session("w")
+    got, _, _ = await generate(eng, "z", 2, stop_token_ids=[])   # z's KV survived all of it
+    assert got == greedy_reference(engine, z[:64], len(got)) and len(got) == 2
+
+
+async def test_trace_metrics_and_capability_report_reuse(engine, make_engine):
+    eng = make_engine(kv_mib=16)
+    p = prompt(engine, 64)
+    miss = await eng.ensure_prefix("m", p)
+    assert miss.reuse["hit"] is False and miss.reuse["source"] is None and miss.reuse["time_saved_ms_est"] == 0
+    hit = await eng.ensure_prefix("h", p + [42])
+    r = hit.reuse
+    assert r["hit"] is True and r["tokens_reused"] == hit.tokens_reused == 64 and hit.tokens_computed == 1
+    assert r["bytes_reused"] == 64 * eng.kv.bytes_per_token and r["blocks_shared"] == 4
+    assert r["time_saved_ms_est"] > 0 and r["lookup_ms"] >= 0
+    m = eng.metrics()
+    assert m["prefix_cache_queries"] == 64 + 65 and m["prefix_cache_hits"] == 64
+    assert m["prefix_cache_blocks"] == 4 and m["prefix_cache_blocks_shared_total"] == 4
+    cap = eng.capability()["reuse"]
+    assert cap["enabled"] is True and cap["block_size"] == 16 and cap["cached_blocks"] == 4
+    assert cap["cached_tokens"] == 64 and set(IDENTITY_KEY_FIELDS) == set(cap["identity_key_fields"])
+    assert eng.sessions()[1]["kv_blocks_shared"] == 4
