@@ -132,8 +132,9 @@ def test_spec_update_rolls_out_and_delete_cleans_up(cluster, operator, namespace
 
 QUICK_CERTIFICATION = {
     # A small measurement keeps the suite quick on 2 cores; the certification Job still runs the real harness.
+    # 12 decode tokens: the passkey check needs room for the digits.
     "modeld.contenox.io/certify-tiers": "256,512",
-    "modeld.contenox.io/certify-args": "--repeats 1 --agent-turns 2 --agent-runs 1 --decode-tokens 4 --agent-tool-tokens 48",
+    "modeld.contenox.io/certify-args": "--repeats 1 --agent-turns 2 --agent-runs 1 --decode-tokens 12 --agent-tool-tokens 48",
 }
 
 
