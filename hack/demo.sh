@@ -28,19 +28,26 @@ sed -e '/^users:/,$d' "$KUBECONFIG" > "$dir/operator.kubeconfig"
 printf 'users:\n- name: modeld-admin\n  user:\n    token: %s\ncontexts:\n- name: modeld-%s\n  context: {cluster: modeld-%s, user: modeld-admin}\ncurrent-context: modeld-%s\n' \
   "$token" "$MODELD_CLUSTER" "$MODELD_CLUSTER" "$MODELD_CLUSTER" >> "$dir/operator.kubeconfig"
 if ! { [[ -f $dir/operator.pid ]] && kill -0 "$(cat "$dir/operator.pid")" 2>/dev/null; }; then
+  # Sessions bind only to certified cells: the session below waits for the certification, then goes to the winner.
   KUBECONFIG=$dir/operator.kubeconfig MODELD_STATUS_INTERVAL=2 MODELD_METRICS_PORT=0 MODELD_LOG_FORMAT=plain \
+    MODELD_REQUIRE_CERTIFIED=true \
     setsid .venv/bin/python -m modeld_operator >"$dir/operator.log" 2>&1 < /dev/null &
   echo $! > "$dir/operator.pid"
 fi
 
-echo "== a CPU cell and a session in namespace $NS"
+echo "== a CPU cell, its baseline, and a session in namespace $NS"
 k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
-k apply -n "$NS" -f examples/cell-cpu.yaml -f examples/session.yaml
+k apply -n "$NS" -f examples/cell-cpu-2k.yaml -f examples/cell-cpu.yaml -f examples/session.yaml
 # The HGX and L40S cells are placed on their topologies too (their pods are simulated: no worker runs there).
 k apply -n "$NS" -f examples/cell-h100-nvswitch.yaml -f examples/cell-l40s-pcie.yaml
-k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready cell/smollm2-cpu --timeout=600s >/dev/null
+k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready cell/smollm2-cpu cell/smollm2-cpu-2k --timeout=600s >/dev/null
+echo "== certification Jobs measure each cell against its baseline (a few minutes on 2 cores)"
+k wait -n "$NS" --for=jsonpath='{.status.certification.measuredAt}' cell/smollm2-cpu cell/smollm2-cpu-2k --timeout=1200s >/dev/null
 k wait -n "$NS" --for=jsonpath='{.status.phase}'=Bound session/agent-1 --timeout=120s >/dev/null
 k get -n "$NS" cells,sessions -o wide
+echo
+echo "== the certification matrix"
+.venv/bin/python hack/matrix.py --kubectl "$bin/kubectl" --namespace "$NS"
 echo
 echo "== a real multi-turn agent exchange through the bound session"
 .venv/bin/python hack/demo.py --kubectl "$bin/kubectl" --namespace "$NS" --session agent-1
