@@ -28,9 +28,8 @@ sed -e '/^users:/,$d' "$KUBECONFIG" > "$dir/operator.kubeconfig"
 printf 'users:\n- name: modeld-admin\n  user:\n    token: %s\ncontexts:\n- name: modeld-%s\n  context: {cluster: modeld-%s, user: modeld-admin}\ncurrent-context: modeld-%s\n' \
   "$token" "$MODELD_CLUSTER" "$MODELD_CLUSTER" "$MODELD_CLUSTER" >> "$dir/operator.kubeconfig"
 if ! { [[ -f $dir/operator.pid ]] && kill -0 "$(cat "$dir/operator.pid")" 2>/dev/null; }; then
-  # Sessions bind only to certified cells: the session below waits for the certification, then goes to the winner.
+  # Sessions bind only to certified cells (the default): the session waits for certification, then goes to the winner.
   KUBECONFIG=$dir/operator.kubeconfig MODELD_STATUS_INTERVAL=2 MODELD_METRICS_PORT=0 MODELD_LOG_FORMAT=plain \
-    MODELD_REQUIRE_CERTIFIED=true \
     setsid .venv/bin/python -m modeld_operator >"$dir/operator.log" 2>&1 < /dev/null &
   echo $! > "$dir/operator.pid"
 fi

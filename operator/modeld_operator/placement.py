@@ -211,7 +211,7 @@ class Fit:
     permanent: bool = False  # no change in the cluster can make this session fit
 
 
-def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certified: bool = False) -> Fit:
+def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certified: bool = True) -> Fit:
     """Bind by capability and workload fit: family, context tier, certification, latency budget, then least loaded."""
     if session.cell:
         cells = [c for c in cells if c.name == session.cell]

@@ -32,8 +32,9 @@ class Settings:
     pods are simulated, and a second opinion costs one small request)."""
     probe_timeout: float = 2.0
     """MODELD_PROBE_TIMEOUT: seconds a worker has to answer /readyz or a session close."""
-    require_certified: bool = False
-    """MODELD_REQUIRE_CERTIFIED: bind Sessions only to Cells whose Certified condition is True."""
+    require_certified: bool = True
+    """MODELD_REQUIRE_CERTIFIED: bind Sessions only to Cells whose Certified condition is True (a cell earns its place
+    by measurement); false binds to any ready cell that fits, e.g. while bringing up a new cluster."""
     retry_delay: float = 10.0
     """MODELD_RETRY_DELAY: seconds before retrying a Cell with no capacity or a Session with no fitting cell."""
     watch_server_timeout: int = 60

@@ -183,7 +183,9 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
     cluster.apply(session("fits", 1500), namespace)
     cluster.apply(session("too-long", 4096), namespace)
     cluster.apply(session("other-family", 512, family="llama3"), namespace)
-    st = wait_until("bound", lambda: (s := status_of(cluster, namespace, "session", "fits")).get("phase") == "Bound" and s, timeout=60)
+    # Sessions bind only to certified cells: this one waits for the cell's certification Job (a real, small run).
+    st = wait_until("bound", lambda: (s := status_of(cluster, namespace, "session", "fits")).get("phase") == "Bound" and s, timeout=400, interval=2)
+    assert condition(status_of(cluster, namespace, "cell", "cpu"), "Certified")["status"] == "True"
     assert st["cell"] == "cpu" and st["endpoint"].startswith("http://127.30.")
     assert condition(st, "Bound")["status"] == "True"
 

@@ -122,7 +122,7 @@ def test_cpu_cell_pod_has_no_gpu_or_toleration():
 EP = [api.Endpoint(pod="p0", url="http://127.20.0.2:8080", ready=True)]
 
 
-def view(name, family="smollm2", tier=8192, endpoints=EP, sessions=0, certified=None, p90=None):
+def view(name, family="smollm2", tier=8192, endpoints=EP, sessions=0, certified=True, p90=None):
     spec = cell_spec(
         runtime={"backend": "torch"},
         topology={"gpus": 0, "interconnect": "none"},
@@ -155,9 +155,16 @@ def test_no_fit_reasons():
 def test_latency_budget_and_certification():
     cells = [view("slow", p90=900.0, certified=True), view("fast", tier=16384, p90=100.0, certified=False)]
     s = session(latencyBudget={"firstOutputMs": 500})
-    assert placement.choose_cell(s, cells).cell.name == "fast"
-    fit = placement.choose_cell(s, cells, require_certified=True)
+    assert placement.choose_cell(s, cells, require_certified=False).cell.name == "fast"
+    fit = placement.choose_cell(s, cells)  # certified cells only, by default
     assert fit.cell is None and "no certification" in fit.reason and "over the budget" in fit.reason
+
+
+def test_uncertified_cells_are_not_bound_by_default():
+    cells = [view("new", certified=None), view("failed", certified=False)]
+    fit = placement.choose_cell(session(), cells)
+    assert fit.cell is None and "2 with no certification" in fit.reason
+    assert placement.choose_cell(session(), cells, require_certified=False).cell is not None
 
 
 def test_pinned_cell():
