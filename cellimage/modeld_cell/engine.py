@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from . import __version__, errors
+from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY_MIB, PagedKVCache, kv_format
 from .model import AttnMetadata, Transformer, use_decode_kernel
 from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
@@ -48,9 +49,10 @@ SNAPSHOT_MAGIC = b"MODELD-SNAPSHOT\x00"   # 16 bytes
 SNAPSHOT_VERSION = 2                      # v2: full cache identity, typed payload table (docs/reuse.md)
 SUPPORTED_ATTENTION = ("dense",)
 SPARSE_ATTENTION = ("block-sparse", "sparse", "vertical-slash", "minference")
+SPARSE_BLOCK = 64                         # block-sparse prefill: tokens per query/key block (the kernels' default)
 UNSUPPORTED_MODES = [
-    "attention: block-sparse prefill (runs dense; reported as fallback)",
-    "kv: int8 / fp8 / int4 (kernels/quant_kv not wired on this backend)",
+    "attention: block-sparse prefill of a chunk that follows cached tokens (runs dense; reported as fallback)",
+    "kv: int4 (kernels/quant_kv has it; the worker serves int8 and fp8-e4m3)",
     "topology: tensor / pipeline parallel",
     "sliding-window attention",
 ]
@@ -147,17 +149,29 @@ class EngineSettings:
     prefill_chunk: int = 512                            # MODELD_PREFILL_CHUNK: tokens per prefill forward
     max_decode_batch: int = 64                          # MODELD_MAX_DECODE_BATCH: sessions per decode forward
     decode_attention: str = "auto"                      # MODELD_DECODE_ATTENTION: auto | dispatch | torch
+    # block-sparse cells only (profile.attention: block-sparse); defaults are kernels/sparse_prefill's choose_path
+    sparse_min_tokens: int = sparse_ref.DENSE_BELOW_TOKENS    # MODELD_SPARSE_MIN_TOKENS: shorter prefills run dense
+    sparse_max_density: float = sparse_ref.DENSE_ABOVE_DENSITY  # MODELD_SPARSE_MAX_DENSITY: denser masks run dense
+    sparse_keep_ratio: float = 0.1                      # MODELD_SPARSE_KEEP_RATIO: vertical-slash estimate's keep ratio
 
     @classmethod
     def from_env(cls) -> EngineSettings:
         s = cls()
         for attr, env in (("threads", "MODELD_THREADS"), ("prefill_chunk", "MODELD_PREFILL_CHUNK"),
-                          ("max_decode_batch", "MODELD_MAX_DECODE_BATCH")):
+                          ("max_decode_batch", "MODELD_MAX_DECODE_BATCH"),
+                          ("sparse_min_tokens", "MODELD_SPARSE_MIN_TOKENS")):
             if os.environ.get(env):
                 v = int(os.environ[env])
                 if v < 1:
                     raise ValueError(f"{env} must be >= 1, got {v}")
                 setattr(s, attr, v)
+        for attr, env in (("sparse_max_density", "MODELD_SPARSE_MAX_DENSITY"),
+                          ("sparse_keep_ratio", "MODELD_SPARSE_KEEP_RATIO")):
+            if os.environ.get(env):
+                f = float(os.environ[env])
+                if not 0.0 < f <= 1.0:
+                    raise ValueError(f"{env} must be in (0, 1], got {f}")
+                setattr(s, attr, f)
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()
         if mode not in ("auto", "dispatch", "torch"):
             raise ValueError(f"MODELD_DECODE_ATTENTION must be auto, dispatch or torch, got {mode!r}")
@@ -246,8 +260,7 @@ class CellConfig:
             weights = "bf16" if c.device == "cuda" or _cpu_has_bf16() else "fp32"
         c.weights = {"float32": "fp32", "bfloat16": "bf16"}.get(weights, weights)
         kv = str(profile.get("kv") or "auto").lower()
-        c.kv = c.weights if kv == "auto" else kv
-        kv_format(c.kv)  # BadRequest / Unsupported now, not at the first request
+        c.kv = kv_format(c.weights if kv == "auto" else kv).name  # BadRequest / Unsupported now; canonical name
         att = str(profile.get("attention") or "dense").lower()
         if att not in SUPPORTED_ATTENTION + SPARSE_ATTENTION + ("auto",):
             raise errors.BadRequest(f"profile.attention {att!r} unknown (dense, block-sparse)",
@@ -400,6 +413,8 @@ class Engine:
         self._errors: dict[str, int] = {}
         self._root = root_hash(self.reuse_key())       # every block chain of this identity starts here
         self._prefill_tokens, self._prefill_s = 0, 0.0  # measured prefill rate, for the time-saved estimate
+        # block-sparse cells: prefill chunks by path, and the last chunk's record (capability()["attention"])
+        self.sparse_stats: dict[str, Any] = {"chunks_sparse": 0, "chunks_dense": 0, "last_chunk": None}
 
     # ---- construction
 
@@ -460,6 +475,11 @@ class Engine:
         from .model import paged_attention
         use_decode_kernel(None)
         mode = self.settings.decode_attention
+        if self.kv.fmt.quantized:  # model.paged_attention always sends a quantized cache to the quantized decode
+            from .kernels import dispatch
+            self.decode_kernel = (f"kernels.dispatch.quant_paged_decode ({self.kv.fmt.quant}, "
+                                  f"{dispatch.get_backend(self.kv.k.device)})")
+            return
         try:
             from .kernels import dispatch
 
@@ -546,11 +566,35 @@ class Engine:
         self._counters["tokens_computed_total"] += tr.tokens_computed
         return tr
 
-    def _fallback(self) -> dict | None:
-        if self.config.attention_requested in SPARSE_ATTENTION:
-            return {"requested": self.config.attention_requested, "ran": "dense",
-                    "reason": "no block-sparse prefill on the torch backend"}
-        return None
+    @property
+    def sparse(self) -> bool:
+        """The cell asked for block-sparse prefill."""
+        return self.config.attention_requested in SPARSE_ATTENTION
+
+    def _sparse_meta(self, n_tokens: int, start: int) -> tuple[dict | None, str | None]:
+        """Block-sparse settings for a prefill chunk of n_tokens at ``start`` (None: dense), and why not."""
+        st = self.settings
+        if start > 0:
+            return None, (f"chunk follows {start} cached tokens; block-sparse prefill has no past-context path "
+                          "(kernels/sparse_prefill takes one sequence from position 0)")
+        if sparse_ref.choose_path(n_tokens, None, st.sparse_min_tokens) == "dense":
+            return None, f"prompt chunk of {n_tokens} tokens shorter than {st.sparse_min_tokens}"
+        return {"block_size": SPARSE_BLOCK, "keep_ratio": st.sparse_keep_ratio, "min_tokens": st.sparse_min_tokens,
+                "max_density": st.sparse_max_density}, None
+
+    def _fallback(self, att: list[dict]) -> dict | None:
+        """The trace's fallback for a block-sparse cell from the prefill chunks' records (``_prefill``): None when
+        every chunk ran sparse in every layer (or nothing ran), else what ran and the first reason."""
+        if not self.sparse or not att:
+            return None
+        sparse_layers = sum(a["sparse_layers"] for a in att)
+        total_layers = sum(a["layers"] for a in att)
+        if sparse_layers == total_layers:
+            return None
+        reason = next(a["reason"] for a in att if a["reason"])
+        return {"requested": self.config.attention_requested,
+                "ran": "dense" if sparse_layers == 0 else "block-sparse+dense", "reason": reason,
+                "chunks": len(att), "sparse_layers": sparse_layers, "layers": total_layers}
 
     def _trim_blocks(self, s: _Session) -> None:
         """Free blocks beyond what ``s.tokens`` needs (after a decode reservation or an interrupted prefill)."""
@@ -738,8 +782,10 @@ class Engine:
 
     # ---- torch-thread work
 
-    def _forward_prefill(self, tokens: list[int], start: int, blocks: list[int]) -> tuple[torch.Tensor, float]:
-        """tokens at positions [start, start+T) of a session with block table ``blocks``; returns (logits [V], t0)."""
+    def _forward_prefill(self, tokens: list[int], start: int, blocks: list[int],
+                         att: list[dict] | None = None) -> tuple[torch.Tensor, float]:
+        """tokens at positions [start, start+T) of a session with block table ``blocks``; returns (logits [V], t0).
+        A block-sparse cell appends {"tokens", "layers", "sparse_layers", "densities", "reason"} to ``att``."""
         t_start = time.perf_counter()
         dev = self.kv.k.device
         end = start + len(tokens)
@@ -749,9 +795,23 @@ class Engine:
             block_tables=torch.tensor([blocks[:nblk]], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([end], dtype=torch.int32, device=dev), seq_lens_list=[end],
             block_size=self.kv.block_size, contiguous=[_contig_start(blocks, nblk)])
+        reason = None
+        if self.sparse:
+            meta.sparse, reason = self._sparse_meta(len(tokens), start)
         toks = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
         logits = self.model(toks, pos, self.kv, meta, torch.tensor([len(tokens) - 1], device=dev))
+        if self.sparse and att is not None:
+            ran = [i for i in meta.sparse_log if i["path"] == "sparse"]
+            dens = [round(i["density"], 4) for i in meta.sparse_log if i["density"] is not None]
+            if reason is None and len(ran) < self.model.args.n_layers:
+                reason = (f"estimated block density above {self.settings.sparse_max_density} in "
+                          f"{self.model.args.n_layers - len(ran)} of {self.model.args.n_layers} layers")
+            rec = {"tokens": len(tokens), "layers": self.model.args.n_layers, "sparse_layers": len(ran),
+                   "densities": dens, "reason": reason}
+            att.append(rec)
+            self.sparse_stats["chunks_sparse" if ran else "chunks_dense"] += 1
+            self.sparse_stats["last_chunk"] = rec
         return logits[0].cpu(), t_start
 
     def _forward_decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
@@ -771,14 +831,19 @@ class Engine:
         return self.model(torch.tensor(toks, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta).cpu()
 
-    async def _prefill(self, s: _Session, new: list[int], deadline: float | None) -> tuple[float, float | None]:
+    async def _prefill(self, s: _Session, new: list[int], deadline: float | None,
+                       att: list[dict] | None = None) -> tuple[float, float | None]:
         """Run ``new`` (appended after s.tokens[:s.kv_len]) through the model in chunks, committing each chunk.
 
         Blocks must already cover the result. Returns (prefill_ms, queue_ms). Raises Timeout between chunks.
+        A block-sparse cell prefills a fresh sequence (nothing cached before it) in ONE chunk, since the sparse
+        kernel has no past-context path; ``att`` collects each chunk's attention record (``_forward_prefill``).
         """
         t0 = time.perf_counter()
         queue_ms: float | None = None
         chunk = self.settings.prefill_chunk
+        if self.sparse and s.kv_len == 0:
+            chunk = max(chunk, len(new))
         self._running_prefills += 1
         try:
             for i in range(0, len(new), chunk):
@@ -788,7 +853,8 @@ class Engine:
                         f"{len(s.tokens)} tokens computed so far", session_id=s.id, session_tokens=len(s.tokens),
                         tokens_computed=i, partial_output=""))
                 part = new[i : i + chunk]
-                (logits, t_job), cancelled = await self._torch(self._forward_prefill, part, s.kv_len, list(s.blocks))
+                (logits, t_job), cancelled = await self._torch(self._forward_prefill, part, s.kv_len, list(s.blocks),
+                                                               att)
                 if queue_ms is None:
                     queue_ms = round((t_job - t0) * 1e3, 3)
                 # commit the chunk: its K/V are in the cache
@@ -848,8 +914,8 @@ class Engine:
         self._counters["prefix_cache_hits"] += keep
         self._counters["prefix_cache_blocks_shared_total"] += len(plan.shared)
         tr_kw: dict[str, Any] = {"prompt_tokens": len(toks), "tokens_reused": keep,
-                                 "tokens_computed": len(toks) - keep, "fallback": self._fallback(),
-                                 "reuse": self._reuse_info(plan, lookup_ms)}
+                                 "tokens_computed": len(toks) - keep, "reuse": self._reuse_info(plan, lookup_ms)}
+        att: list[dict] = []
         try:
             if plan.source == "prefix-cache":
                 await self._attach(s, toks, plan)
@@ -860,8 +926,9 @@ class Engine:
             if not nothing_to_do:
                 self._grow(s, len(toks))
                 if s.kv_len < len(toks):
-                    tr_kw["prefill_ms"], q = await self._prefill(s, toks[s.kv_len :], deadline)
+                    tr_kw["prefill_ms"], q = await self._prefill(s, toks[s.kv_len :], deadline, att)
                     tr_kw["queue_ms"] = q or 0.0
+                tr_kw["fallback"] = self._fallback(att)
         except BaseException:
             # Timeout / cancel: the session holds the chunks computed so far (a prefix of toks); give back the rest
             self._trim_blocks(s)
@@ -917,14 +984,15 @@ class Engine:
         self._counters["requests_total"] += 1
         before = (list(s.tokens), s.kv_len, s.logits)
         new = s.tokens[s.kv_len:] + toks                # the pending generated token, if any, runs first
-        tr_kw: dict[str, Any] = {"prompt_tokens": len(toks), "tokens_computed": len(new),
-                                 "fallback": self._fallback()}
+        tr_kw: dict[str, Any] = {"prompt_tokens": len(toks), "tokens_computed": len(new)}
+        att: list[dict] = []
         try:
             if new:
                 await self._make_writable(s, s.kv_len)
                 self._grow(s, total)
-                tr_kw["prefill_ms"], q = await self._prefill(s, new, deadline)
+                tr_kw["prefill_ms"], q = await self._prefill(s, new, deadline, att)
                 tr_kw["queue_ms"] = q or 0.0
+                tr_kw["fallback"] = self._fallback(att)
         except BaseException:
             # roll back: slots past the old length may hold new K/V but nothing reads them; restore the bookkeeping
             s.tokens, s.kv_len, s.logits = before
@@ -1154,6 +1222,12 @@ class Engine:
                  "kv_bytes": len(s.blocks) * self.kv.block_bytes, "busy": s.busy, "created": s.created,
                  "last_used": s.last_used, "totals": dict(s.totals)} for s in self._sessions.values()]
 
+    def next_token_logits(self, session_id: str) -> torch.Tensor | None:
+        """A copy of the session's next-token logits [V] fp32 (quality checks); None when not known (the last
+        generated token has not run through the model yet). NotFound if the session does not exist."""
+        s = self._session(session_id)
+        return None if s.logits is None or s.kv_len != len(s.tokens) else s.logits.clone()
+
     def session_tokens(self, session_id: str) -> list[int]:
         """The token ids the session holds (a copy). Added to the seam for clients and tests."""
         return list(self._session(session_id).tokens)
@@ -1183,7 +1257,10 @@ class Engine:
             def work() -> dict:
                 a = self.model.args
                 k, v = self.kv.read_tokens(s.blocks, s.kv_len)           # k, v: [L, kv_len, Hkv, D] (copies)
-                tensors = [("k", k), ("v", v)] + ([("logits", s.logits.float())] if s.logits is not None else [])
+                tensors = [("k", k), ("v", v)]
+                if (sc := self.kv.read_scales(s.blocks, s.kv_len)) is not None:  # quantized: [L, kv_len, Hkv] fp32
+                    tensors += [("k_scale", sc[0]), ("v_scale", sc[1])]
+                tensors += [("logits", s.logits.float())] if s.logits is not None else []
                 table, off = [], 0
                 for name, t in tensors:
                     n = t.numel() * t.element_size()
@@ -1248,10 +1325,13 @@ class Engine:
             a = self.model.args
             shape = (a.n_layers, kv_len, a.n_kv_heads, a.head_dim)
             store = str(self.kv.fmt.storage).removeprefix("torch.")
-            for name in ("k", "v"):
+            want = {"k": (store, shape), "v": (store, shape)}
+            if self.kv.fmt.quantized:
+                want.update({n: ("float32", shape[:-1]) for n in ("k_scale", "v_scale")})
+            for name, (dt, shp) in want.items():
                 t = table[name]
-                if tuple(t["shape"]) != shape or t["dtype"] != store:
-                    raise bad(f"tensor {name} is {t['dtype']}{t['shape']}, expected {store}{list(shape)}")
+                if tuple(t["shape"]) != shp or t["dtype"] != dt:
+                    raise bad(f"tensor {name} is {t['dtype']}{t['shape']}, expected {dt}{list(shp)}")
             if sess.get("has_logits") and (tuple(table["logits"]["shape"]) != (self.vocab_size,)
                                            or table["logits"]["dtype"] != "float32"):
                 raise bad("logits do not match the vocabulary")
@@ -1284,11 +1364,15 @@ class Engine:
             self._grow(s, len(toks))
             k = _buffer_tensor(buf, base + table["k"]["offset"], self.kv.fmt.storage, shape)
             v = _buffer_tensor(buf, base + table["v"]["offset"], self.kv.fmt.storage, shape)
+            scales = None
+            if self.kv.fmt.quantized:
+                scales = tuple(_buffer_tensor(buf, base + table[n]["offset"], torch.float32, shape[:-1])
+                               for n in ("k_scale", "v_scale"))
             logits = None
             if sess.get("has_logits"):
                 logits = _buffer_tensor(buf, base + table["logits"]["offset"], torch.float32,
                                         (self.vocab_size,)).clone()
-            _, cancelled = await self._torch(self.kv.write_tokens, s.blocks, k, v)
+            _, cancelled = await self._torch(self.kv.write_tokens, s.blocks, k, v, scales)
             s.tokens, s.kv_len, s.logits = toks, kv_len, logits
             s.totals = {k2: int(sess["totals"].get(k2, 0)) for k2 in s.totals}
             self._register(s)
@@ -1317,7 +1401,9 @@ class Engine:
         return {
             "context_tier": self.context_tier,
             "model_max_context": a.max_seq_len,
-            "kv": {"precision": self.kv.fmt.name, "block_size": self.kv.block_size,
+            "kv": {"precision": self.kv.fmt.name, "storage": str(self.kv.fmt.storage).removeprefix("torch."),
+                   "scales": "fp32 per token per kv head" if self.kv.fmt.quantized else None,
+                   "block_size": self.kv.block_size,
                    "bytes_per_token": self.kv.bytes_per_token, "budget_bytes": self.kv.budget_bytes,
                    "max_tokens_in_budget": self.kv.max_tokens, "num_blocks": kvs["num_blocks"],
                    "free_blocks": kvs["free_blocks"], "usage_ratio": kvs["usage_ratio"],
@@ -1335,9 +1421,18 @@ class Engine:
                       "kv_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
                       "tokenizer_hash": self.identity["tokenizer_hash"],
                       "template_hash": self.identity["template_hash"]},
-            "attention": {"mode": "dense", "requested": self.config.attention_requested,
-                          "prefill": "torch flash (CPU) past+causal merge" if self.kv.k.device.type == "cpu"
-                          else "torch sdpa", "decode": self.decode_kernel},
+            "attention": {"mode": "block-sparse" if self.sparse else "dense",
+                          "requested": self.config.attention_requested,
+                          "prefill": ("torch flash (CPU) past+causal merge" if self.kv.k.device.type == "cpu"
+                                      else "torch sdpa")
+                          + ("; past blocks dequantized per chunk" if self.kv.fmt.quantized else ""),
+                          "decode": self.decode_kernel,
+                          "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": self.settings.sparse_min_tokens,
+                                     "max_density": self.settings.sparse_max_density,
+                                     "keep_ratio": self.settings.sparse_keep_ratio,
+                                     "scope": "fresh sequences in one chunk; chunks after cached tokens run dense",
+                                     **self.sparse_stats}
+                          if self.sparse else None},
             "prefix_reuse": "cross-session" if self.config.prefix_reuse else "off",
             "reuse": self.reuse_report(),
             "snapshot": {"version": SNAPSHOT_VERSION, "supported": True},
@@ -1383,10 +1478,13 @@ class _SnapshotError(Exception):
 
 
 def _tensor_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a CPU tensor without copying (bf16/fp16 through an int16 view: numpy has no bfloat16)."""
+    """The bytes of a CPU tensor without copying (bf16/fp16 through an int16 view, fp8 through uint8: numpy has
+    neither)."""
     t = t.contiguous().cpu()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
+    elif t.dtype == torch.float8_e4m3fn:
+        t = t.view(torch.uint8)
     return memoryview(t.numpy()).cast("B")
 
 
@@ -1395,6 +1493,8 @@ def _buffer_tensor(buf: bytearray, offset: int, dtype: torch.dtype, shape: tuple
     n = math.prod(shape)
     if dtype in (torch.bfloat16, torch.float16):
         return torch.frombuffer(buf, dtype=torch.int16, count=n, offset=offset).view(dtype).reshape(shape)
+    if dtype == torch.float8_e4m3fn:
+        return torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset).view(dtype).reshape(shape)
     return torch.frombuffer(buf, dtype=dtype, count=n, offset=offset).reshape(shape)
 
 

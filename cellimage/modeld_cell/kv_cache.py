@@ -6,6 +6,11 @@ The whole pool is allocated once, at the budget; sessions own lists of block ids
 checks the free list first and raises ``errors.Overflow`` before touching any state, so a refused request leaves
 every session as it was.
 
+Quantized formats (int8, fp8 e4m3: ``kernels/quant_kv/reference.py`` owns the layouts) store K/V as 1-byte values
+plus one fp32 scale per token per kv head: ``k_scale[layer]: [num_blocks, BLOCK_SIZE, Hkv]``, likewise ``v_scale``.
+Writes quantize (``quant_kv.reference.quantize``); readers dequantize only the blocks they read. No full-precision
+copy of the cache exists.
+
 Blocks are refcounted: a full block can be shared by several sessions (prefix reuse, ``prefix_index.PrefixIndex``).
 A block whose count drops to 0 goes back to the free list, or, when the index names it, stays cached and evictable
 (LRU); allocation takes free blocks first and evicts cached ones only when the free list is empty. A block some
@@ -21,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import errors
+from .kernels.quant_kv import reference as quant_ref
 from .prefix_index import PrefixIndex
 
 DEFAULT_BLOCK_SIZE = 16            # tokens per block
@@ -29,12 +35,16 @@ DEFAULT_KV_MEMORY_MIB = 1024       # budget when the spec gives no kvMemoryMiB
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How K/V are stored. fp32 / bf16 store the values as they are; quantized formats (int8, fp8 e4m3, owned by
-    ``kernels/quant_kv``) will add scales and their own write/read. ``storage`` is the pool's element dtype."""
+    """How K/V are stored. ``storage`` is the pool's element dtype; ``quant`` names the ``kernels/quant_kv`` format
+    ("int8" | "fp8") when values are quantized with per-token-per-head fp32 scales, else None."""
 
     name: str
     storage: torch.dtype
-    quantized: bool = False
+    quant: str | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.quant is not None
 
     @property
     def bytes_per_element(self) -> int:
@@ -45,26 +55,32 @@ KV_FORMATS = {
     "fp32": KVFormat("fp32", torch.float32),
     "bf16": KVFormat("bf16", torch.bfloat16),
     "fp16": KVFormat("fp16", torch.float16),
+    "int8": KVFormat("int8", torch.int8, quant="int8"),
+    "fp8-e4m3": KVFormat("fp8-e4m3", torch.float8_e4m3fn, quant="fp8"),
 }
-# Hook for the kernels team: quantized formats register here (with their scale tensors and write/read functions).
-QUANTIZED_KV_FORMATS = ("int8", "fp8", "fp8_e4m3", "int4")
+KV_ALIASES = {"fp8": "fp8-e4m3", "fp8_e4m3": "fp8-e4m3", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# Formats the kernels have but the worker does not serve yet (int4's group scales need their own write path).
+UNSERVED_KV_FORMATS = ("int4",)
 
 
 def kv_format(name: str) -> KVFormat:
+    name = KV_ALIASES.get(name, name)
     if name in KV_FORMATS:
         return KV_FORMATS[name]
-    if name in QUANTIZED_KV_FORMATS:
-        raise errors.Unsupported(f"KV precision {name!r} is not available on this backend yet "
-                                 f"(quantized KV lives in kernels/quant_kv); use one of {sorted(KV_FORMATS)}",
-                                 requested=name, supported=sorted(KV_FORMATS))
+    if name in UNSERVED_KV_FORMATS:
+        raise errors.Unsupported(f"KV precision {name!r} is not served by this worker yet; use one of "
+                                 f"{sorted(KV_FORMATS)}", requested=name, supported=sorted(KV_FORMATS))
     raise errors.BadRequest(f"unknown KV precision {name!r}; expected one of {sorted(KV_FORMATS)}", kv=name)
+
+
+def _raw(t: Tensor) -> Tensor:
+    """An fp8 tensor as uint8 (same bytes): CPU index_copy_/index_select have no Float8 kernels."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class PagedKVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, fmt: KVFormat, budget_bytes: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, device: str | torch.device = "cpu") -> None:
-        if fmt.quantized:
-            raise errors.Unsupported(f"KV format {fmt.name} has no write/read path here yet")
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.fmt = fmt
         self.block_size = block_size
@@ -77,6 +93,12 @@ class PagedKVCache:
         # zeros, not empty: a kernel that reads a partly filled block must never see NaN garbage (0 * NaN = NaN)
         self.k = torch.zeros(shape, dtype=fmt.storage, device=device)  # k: [L, num_blocks, BS, Hkv, D]
         self.v = torch.zeros(shape, dtype=fmt.storage, device=device)
+        # quantized formats: one fp32 scale per token per kv head; None otherwise
+        self.k_scale: Tensor | None = None                                # k_scale: [L, num_blocks, BS, Hkv]
+        self.v_scale: Tensor | None = None
+        if fmt.quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
         self._free: list[int] = list(range(self.num_blocks))           # min-heap: low ids first keeps runs contiguous
         heapq.heapify(self._free)
         self.ref: list[int] = [0] * self.num_blocks                     # sessions (and copies in flight) per block
@@ -86,8 +108,10 @@ class PagedKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V, all layers: 2 * L * Hkv * D * element size."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.fmt.bytes_per_element
+        """K and V, all layers, scales included (``quant_kv.reference.bytes_per_token``): 2 * L * Hkv * D * element
+        size, plus 2 * L * Hkv * 4 for the fp32 scales of a quantized format."""
+        return quant_ref.bytes_per_token(self.fmt.quant or self.fmt.name, self.n_layers, self.n_kv_heads,
+                                         self.head_dim)
 
     @property
     def block_bytes(self) -> int:
@@ -192,6 +216,9 @@ class PagedKVCache:
         """K/V of the first n slots of block src into block dst, all layers (copy-on-write; torch thread)."""
         self.k[:, dst, :n].copy_(self.k[:, src, :n])
         self.v[:, dst, :n].copy_(self.v[:, src, :n])
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale[:, dst, :n].copy_(self.k_scale[:, src, :n])
+            self.v_scale[:, dst, :n].copy_(self.v_scale[:, src, :n])
 
     # ---- data (torch thread)
 
@@ -201,10 +228,23 @@ class PagedKVCache:
     def v_layer(self, layer: int) -> Tensor:
         return self.v[layer]
 
+    def scales_layer(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """(k_scale, v_scale) of a layer, each [num_blocks, BS, Hkv] fp32; None for an unquantized format."""
+        if self.k_scale is None or self.v_scale is None:
+            return None
+        return self.k_scale[layer], self.v_scale[layer]
+
     def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> None:
-        """k, v: [N, Hkv, D]; slots: [N] int64 flat slot ids (block * BS + offset)."""
-        self.k[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.fmt.storage))
-        self.v[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.fmt.storage))
+        """k, v: [N, Hkv, D] float; slots: [N] int64 flat slot ids (block * BS + offset). Quantizes on write."""
+        flat = (-1, self.n_kv_heads, self.head_dim)
+        if self.k_scale is None or self.v_scale is None:
+            self.k[layer].view(flat).index_copy_(0, slots, k.to(self.fmt.storage))
+            self.v[layer].view(flat).index_copy_(0, slots, v.to(self.fmt.storage))
+            return
+        for x, cache, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            q, s = quant_ref.quantize(x, self.fmt.quant)                 # q: [N, Hkv, D], s: [N, Hkv] fp32
+            _raw(cache[layer].view(flat)).index_copy_(0, slots, _raw(q))
+            scale[layer].view(-1, self.n_kv_heads).index_copy_(0, slots, s)
 
     def slots(self, blocks: list[int], start: int, end: int) -> Tensor:
         """Flat slot ids of token positions [start, end) of a session with block table ``blocks``: [end-start]."""
@@ -213,17 +253,34 @@ class PagedKVCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def read_tokens(self, blocks: list[int], n: int) -> tuple[Tensor, Tensor]:
-        """A copy of the first n tokens' K and V: each [L, n, Hkv, D] (for snapshots)."""
+        """A copy of the first n tokens' K and V as stored: each [L, n, Hkv, D] (for snapshots)."""
         idx = self.slots(blocks, 0, n).to(self.k.device)
-        k = self.k.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_select(1, idx)
-        v = self.v.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_select(1, idx)
+        shape = (self.n_layers, -1, self.n_kv_heads, self.head_dim)
+        k = _raw(self.k.view(shape)).index_select(1, idx).view(self.fmt.storage)
+        v = _raw(self.v.view(shape)).index_select(1, idx).view(self.fmt.storage)
         return k, v
 
-    def write_tokens(self, blocks: list[int], k: Tensor, v: Tensor) -> None:
-        """Inverse of read_tokens: k, v [L, n, Hkv, D] into positions [0, n) of ``blocks``."""
+    def read_scales(self, blocks: list[int], n: int) -> tuple[Tensor, Tensor] | None:
+        """A copy of the first n tokens' K and V scales, each [L, n, Hkv] fp32; None for an unquantized format."""
+        if self.k_scale is None or self.v_scale is None:
+            return None
+        idx = self.slots(blocks, 0, n).to(self.k.device)
+        return (self.k_scale.view(self.n_layers, -1, self.n_kv_heads).index_select(1, idx),
+                self.v_scale.view(self.n_layers, -1, self.n_kv_heads).index_select(1, idx))
+
+    def write_tokens(self, blocks: list[int], k: Tensor, v: Tensor,
+                     scales: tuple[Tensor, Tensor] | None = None) -> None:
+        """Inverse of read_tokens (+ read_scales): k, v [L, n, Hkv, D] as stored into positions [0, n) of ``blocks``;
+        scales (k_scale, v_scale) [L, n, Hkv] fp32 are required exactly when the format is quantized."""
+        if (scales is None) != (self.k_scale is None):
+            raise ValueError(f"KV format {self.fmt.name}: scales must be given exactly for quantized formats")
         idx = self.slots(blocks, 0, k.shape[1]).to(self.k.device)
-        self.k.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, idx, k.to(self.fmt.storage))
-        self.v.view(self.n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, idx, v.to(self.fmt.storage))
+        shape = (self.n_layers, -1, self.n_kv_heads, self.head_dim)
+        _raw(self.k.view(shape)).index_copy_(1, idx, _raw(k.to(self.fmt.storage)))
+        _raw(self.v.view(shape)).index_copy_(1, idx, _raw(v.to(self.fmt.storage)))
+        if scales is not None and self.k_scale is not None and self.v_scale is not None:
+            self.k_scale.view(self.n_layers, -1, self.n_kv_heads).index_copy_(1, idx, scales[0].float())
+            self.v_scale.view(self.n_layers, -1, self.n_kv_heads).index_copy_(1, idx, scales[1].float())
 
     def stats(self) -> dict:
         return {"dtype": self.fmt.name, "block_size": self.block_size, "num_blocks": self.num_blocks,

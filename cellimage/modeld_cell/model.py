@@ -10,6 +10,8 @@ which session each token belongs to. Two shapes occur:
   decode:  B sessions, N = B, one new token each
 Every layer writes its new K/V into the paged cache and then calls ``paged_attention`` -- the ONE place where
 attention reaches the kernels (``modeld_cell.kernels.dispatch`` when it is present and validated, else plain torch).
+A quantized cache (int8 / fp8) decodes through ``dispatch.quant_paged_decode``; a prefill chunk dequantizes only the
+past blocks it reads. A block-sparse cell's prefill of a fresh sequence goes through ``dispatch.sparse_prefill``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .kernels import dispatch
+from .kernels.quant_kv.reference import dequantize
 
 
 @dataclass
@@ -100,6 +105,9 @@ class AttnMetadata:
     seq_lens:      [B] int32, tokens in the cache per session AFTER this step (past + new)
     seq_lens_list: the same as python ints (host-side loops avoid a sync per read)
     contiguous:    per session, the first block id when its blocks are consecutive ids (zero-copy views), else None
+    sparse:        prefill only: block-sparse settings ({"block_size", "keep_ratio", "min_tokens", "max_density"})
+                   when the cell asked for block-sparse and this chunk has no past; None = dense
+    sparse_log:    filled by paged_attention, one {"path", "density", "backend"} per layer that tried sparse
     """
 
     kind: str
@@ -109,6 +117,8 @@ class AttnMetadata:
     seq_lens_list: list[int]
     block_size: int
     contiguous: list[int | None] = field(default_factory=list)
+    sparse: dict | None = None
+    sparse_log: list[dict] = field(default_factory=list)
 
 
 # Set by ``use_decode_kernel``: fn(q, k_cache, v_cache, block_tables, seq_lens, scale) -> out [B, Hq, D], i.e. a
@@ -135,6 +145,14 @@ def _past_kv(cache: Tensor, meta: AttnMetadata, b: int, n: int) -> Tensor:
     return cache.index_select(0, meta.block_tables[b, :nblk].long()).view(-1, *cache.shape[2:])[:n]
 
 
+def _past_float(cache: Tensor, scales: Tensor | None, meta: AttnMetadata, n: int, dtype: torch.dtype) -> Tensor:
+    """Session 0's first n cached tokens in ``dtype``: [n, Hkv, D]. A quantized cache dequantizes only these blocks
+    (a transient copy; the cache itself stays quantized)."""
+    if scales is None:
+        return _past_kv(cache, meta, 0, n).to(dtype)
+    return dequantize(_past_kv(cache, meta, 0, n), _past_kv(scales, meta, 0, n)).to(dtype)
+
+
 def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     """Exact merge of two partial attentions over disjoint keys; natural-log LSE. o: [..., T, D], lse: [..., T]."""
     m = torch.maximum(lse1, lse2)
@@ -145,19 +163,24 @@ def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
 
 
 def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    meta: AttnMetadata) -> Tensor:
+                    meta: AttnMetadata, scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """THE attention seam: new-token queries against the paged cache (which already holds k_new/v_new).
 
     q:       [N, Hq, D]    queries of the new tokens (RoPE applied)
     k_new:   [N, Hkv, D]   keys of the new tokens (also written to the cache; passed to avoid re-reading it)
     v_new:   [N, Hkv, D]
-    k_cache: [num_blocks, BLOCK_SIZE, Hkv, D]  (vLLM NHD layout), v_cache likewise
+    k_cache: [num_blocks, BLOCK_SIZE, Hkv, D]  (vLLM NHD layout), v_cache likewise; int8 / fp8 when quantized
+    scales:  (k_scale, v_scale), each [num_blocks, BLOCK_SIZE, Hkv] fp32, for a quantized cache; else None
     returns  [N, Hq, D] in q's dtype
     """
     n_tok, hq, d = q.shape
     hkv = k_new.shape[1]
     g = hq // hkv
     scale = 1.0 / math.sqrt(d)
+    ks, vs = scales if scales is not None else (None, None)
+    if meta.kind == "decode" and ks is not None and vs is not None:
+        return dispatch.quant_paged_decode(q, k_cache, v_cache, ks, vs, meta.block_tables, meta.seq_lens,
+                                           sm_scale=scale, check_tables=False)
     if meta.kind == "decode":
         if _DECODE_KERNEL is not None:
             return _DECODE_KERNEL(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
@@ -173,6 +196,13 @@ def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_
     # prefill: one session, T = n_tok new tokens after `past` cached ones
     t = n_tok
     past = meta.seq_lens_list[0] - t
+    if meta.sparse is not None and past == 0:
+        sp = meta.sparse
+        o, info = dispatch.sparse_prefill(q, k_new, v_new, block_size=sp["block_size"], sm_scale=scale,
+                                          keep_ratio=sp["keep_ratio"], min_tokens=sp["min_tokens"],
+                                          max_density=sp["max_density"], return_info=True)
+        meta.sparse_log.append(info)
+        return o
     qh = q.transpose(0, 1).unsqueeze(0)                                      # q: [1, Hq, T, D]
     kn = k_new.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)          # k: [1, Hq, T, D]
     vn = v_new.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
@@ -181,8 +211,8 @@ def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_
         if past == 0:
             o = F.scaled_dot_product_attention(qh, kn, vn, is_causal=True, scale=scale)
         else:
-            kp = _past_kv(k_cache, meta, 0, past).to(q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
-            vp = _past_kv(v_cache, meta, 0, past).to(q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+            kp = _past_float(k_cache, ks, meta, past, q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+            vp = _past_float(v_cache, vs, meta, past, q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
             mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)  # [T, S]: key j <= past+i
             o = F.scaled_dot_product_attention(qh, torch.cat([kp, kn], 2), torch.cat([vp, vn], 2),
                                                attn_mask=mask, scale=scale)
@@ -191,8 +221,8 @@ def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_
     o_new, lse_new = _FLASH_CPU(qh, kn, vn, is_causal=True, scale=scale)     # o: [1, Hq, T, D], lse: [1, Hq, T]
     if past == 0:
         return o_new.squeeze(0).transpose(0, 1).contiguous()
-    kp = _past_kv(k_cache, meta, 0, past).to(q.dtype).permute(1, 0, 2).unsqueeze(0)  # k: [1, Hkv, S, D]
-    vp = _past_kv(v_cache, meta, 0, past).to(q.dtype).permute(1, 0, 2).unsqueeze(0)
+    kp = _past_float(k_cache, ks, meta, past, q.dtype).permute(1, 0, 2).unsqueeze(0)  # k: [1, Hkv, S, D]
+    vp = _past_float(v_cache, vs, meta, past, q.dtype).permute(1, 0, 2).unsqueeze(0)
     # GQA without copying K: the G query heads of one KV head stacked along the query axis (no mask, rows independent)
     qg = qh.reshape(1, hkv, g * t, d)                                        # q: [1, Hkv, G*T, D]
     o_past, lse_past = _FLASH_CPU(qg, kp.contiguous(), vp.contiguous(), scale=scale)
@@ -261,7 +291,8 @@ class Attention(nn.Module):
         k = apply_rope(k.view(n, hkv, d), cos, sin)  # k: [N, Hkv, D]
         v = v.view(n, hkv, d)                        # v: [N, Hkv, D]
         kv.write(self.layer, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, kv.k_layer(self.layer), kv.v_layer(self.layer), meta)
+        o = paged_attention(q, k, v, kv.k_layer(self.layer), kv.v_layer(self.layer), meta,
+                            kv.scales_layer(self.layer))
         return self.wo(o.reshape(n, hq * d))
 
 

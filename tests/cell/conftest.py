@@ -41,13 +41,15 @@ def make_engine(engine: Engine):
     """A second engine sharing the loaded weights, with its own KV pool (kv_mib) / settings / identity."""
     made: list[Engine] = []
 
-    def make(kv_mib: int = 64, kv: str = "fp32", identity: dict | None = None, **spec_over) -> Engine:
+    def make(kv_mib: int = 64, kv: str = "fp32", identity: dict | None = None,
+             settings: EngineSettings | None = None, **spec_over) -> Engine:
         spec = {**SPEC, "kvMemoryMiB": kv_mib, "profile": {**SPEC["profile"], "kv": kv}, **spec_over}
         cfg = CellConfig.from_spec(spec)
         a = engine.model.args
         cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(kv), kv_mib << 20)
         ident = dict(engine.identity, kv_dtype=kv, **(identity or {}))
-        e = Engine(engine.model, engine.tokenizer, cache, cfg, ident, EngineSettings(threads=torch.get_num_threads()))
+        e = Engine(engine.model, engine.tokenizer, cache, cfg, ident,
+                   settings or EngineSettings(threads=torch.get_num_threads()))
         made.append(e)
         return e
 

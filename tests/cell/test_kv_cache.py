@@ -69,7 +69,9 @@ def test_write_read_round_trip_across_blocks():
 
 def test_formats():
     with pytest.raises(errors.Unsupported):
-        kv_format("int8")
+        kv_format("int4")
+    assert kv_format("fp8").name == kv_format("fp8_e4m3").name == "fp8-e4m3"
+    assert kv_format("int8").quantized and not kv_format("bf16").quantized
     with pytest.raises(errors.BadRequest):
         kv_format("fp7")
     with pytest.raises(errors.BadRequest):
