@@ -130,6 +130,27 @@ def finish_splits(
     return merge_states_n(part_out, part_lse, out_dtype=out_dtype)
 
 
+
+def plan_splits(
+    q: torch.Tensor, dims: tuple, block_n: int | None, num_splits: int | None, sm_scale: float | None
+) -> tuple[int, int, int, float, torch.Tensor, torch.Tensor]:
+    """Tile size, split count, tokens per split, softmax scale and the fp32 partial buffers of a split-KV decode.
+
+    Shared by the plain and the quantized decode launchers: part_out [S, B, Hq, D], part_lse [S, B, Hq] (natural log).
+    """
+    B, Hq, Hkv, _G, D, _NB, BS, MB = dims
+    block_n = block_n or default_block_n(D)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    S = num_splits or choose_num_splits(B, Hkv, MB * BS, block_n, q.device)
+    split_len = triton.cdiv(triton.cdiv(max(MB * BS, 1), S), block_n) * block_n
+    scale = D**-0.5 if sm_scale is None else float(sm_scale)
+    part_out = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    return block_n, S, split_len, scale, part_out, part_lse
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -162,16 +183,7 @@ def paged_decode(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last (head) dim")
     B, Hq, Hkv, G, D, NB, BS, MB = dims
-    block_n = block_n or default_block_n(D)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    S = num_splits or choose_num_splits(B, Hkv, MB * BS, block_n, q.device)
-    split_len = triton.cdiv(triton.cdiv(max(MB * BS, 1), S), block_n) * block_n
-    scale = D**-0.5 if sm_scale is None else float(sm_scale)
-    part_out = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    block_n, S, split_len, scale, part_out, part_lse = plan_splits(q, dims, block_n, num_splits, sm_scale)
     bt = block_tables.contiguous()
     sl = seq_lens.contiguous()
     if B > 0:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modeld_cell.kernels.paged_decode.triton import choose_num_splits, default_block_n, finish_splits
+from modeld_cell.kernels.paged_decode.triton import finish_splits, plan_splits
 
 from .reference import INT4_GROUP, check_quant_inputs
 
@@ -175,16 +175,7 @@ def quant_paged_decode(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim")
     B, Hq, Hkv, G, D, NB, BS, MB = dims
-    block_n = block_n or default_block_n(D)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    S = num_splits or choose_num_splits(B, Hkv, MB * BS, block_n, q.device)
-    split_len = triton.cdiv(triton.cdiv(max(MB * BS, 1), S), block_n) * block_n
-    scale = D**-0.5 if sm_scale is None else float(sm_scale)
-    part_out = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
+    block_n, S, split_len, scale, part_out, part_lse = plan_splits(q, dims, block_n, num_splits, sm_scale)
     bt = block_tables.contiguous()
     sl = seq_lens.contiguous()
     if B > 0:
