@@ -12,9 +12,38 @@ import torch
 import triton
 import triton.language as tl
 
+from modeld_cell.kernels.common import dot
 from modeld_cell.kernels.merge.triton import merge_states_n
 
 from .reference import check_paged_inputs
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One tile of the online softmax (natural exp): s [G, N] scores, m_i / l_i [G] running max and sum.
+
+    Returns p [G, N], the rescale alpha [G] for the accumulator, and the new m_i, l_i. Every tile holds at least one
+    valid token, so the new max is finite and exp() never sees -inf - -inf."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def store_split(
+    acc, m_i, l_i, part_out_ptr, part_lse_ptr, sp, b, heads, offs_d, g_mask, d_mask,
+    stride_ps, stride_pb, stride_ph, stride_ls, stride_lb,
+):  # fmt: skip
+    """Normalise one split's accumulator and write its (out, lse) partial; an empty split writes 0 and -inf."""
+    empty = l_i == 0.0  # split starts at or past seq_len
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(
+        part_out_ptr + sp * stride_ps + b * stride_pb + heads[:, None] * stride_ph + offs_d[None, :],
+        out, mask=g_mask[:, None] & d_mask[None, :],
+    )  # fmt: skip
+    tl.store(part_lse_ptr + sp * stride_ls + b * stride_lb + heads, lse, mask=g_mask)
 
 
 @triton.jit
@@ -73,35 +102,19 @@ def _paged_decode_kernel(
             k_ptr + phys[:, None] * stride_kb + slot[:, None] * stride_kt + hkv * stride_kh + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )  # [BLOCK_N, BLOCK_D]  # fmt: skip
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = dot(q, tl.trans(k), IEEE)
         s = tl.where(valid[None, :], s * sm_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        # Every tile has at least one valid token, so m_new is finite and exp() below never sees -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(
             v_ptr + phys[:, None] * stride_vb + slot[:, None] * stride_vt + hkv * stride_vh + offs_d[None, :],
             mask=kv_mask, other=0.0,
         )  # fmt: skip
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = acc * alpha[:, None] + dot(p, v, IEEE)
 
-    empty = l_i == 0.0  # split starts at or past seq_len
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(
-        part_out_ptr + sp * stride_ps + b * stride_pb + heads[:, None] * stride_ph + offs_d[None, :],
-        out, mask=g_mask[:, None] & d_mask[None, :],
+    store_split(
+        acc, m_i, l_i, part_out_ptr, part_lse_ptr, sp, b, heads, offs_d, g_mask, d_mask,
+        stride_ps, stride_pb, stride_ph, stride_ls, stride_lb,
     )  # fmt: skip
-    tl.store(part_lse_ptr + sp * stride_ls + b * stride_lb + heads, lse, mask=g_mask)
 
 
 def default_block_n(D: int) -> int:
@@ -130,7 +143,6 @@ def finish_splits(
     return merge_states_n(part_out, part_lse, out_dtype=out_dtype)
 
 
-
 def plan_splits(
     q: torch.Tensor, dims: tuple, block_n: int | None, num_splits: int | None, sm_scale: float | None
 ) -> tuple[int, int, int, float, torch.Tensor, torch.Tensor]:
@@ -150,6 +162,7 @@ def plan_splits(
     part_out = torch.empty((S, B, Hq, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((S, B, Hq), dtype=torch.float32, device=q.device)
     return block_n, S, split_len, scale, part_out, part_lse
+
 
 def paged_decode(
     q: torch.Tensor,

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from modeld_cell.kernels.paged_decode.triton import finish_splits, plan_splits
+from modeld_cell.kernels.common import dot
+from modeld_cell.kernels.paged_decode.triton import finish_splits, online_softmax_step, plan_splits, store_split
 
 from .reference import INT4_GROUP, check_quant_inputs
 
@@ -103,44 +104,25 @@ def _quant_paged_decode_kernel(
             )  # fmt: skip
             k = ((((k_raw.to(tl.int32) >> shift[None, :]) & 0xF) - 8).to(tl.float32) * ks).to(q.dtype)
             v = ((((v_raw.to(tl.int32) >> shift[None, :]) & 0xF) - 8).to(tl.float32) * vs).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = dot(q, tl.trans(k), IEEE)
         else:
             ks = tl.load(ks_ptr + phys * stride_ksb + slot * stride_kst + hkv * stride_ksh, mask=valid, other=0.0)
             vs = tl.load(vs_ptr + phys * stride_vsb + slot * stride_vst + hkv * stride_vsh, mask=valid, other=0.0)
             k = k_raw.to(q.dtype)  # |int8| <= 127 and fp8 e4m3 are exact in bf16/fp16/fp32
             v = v_raw.to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * ks[None, :]
+            s = dot(q, tl.trans(k), IEEE) * ks[None, :]
         s = tl.where(valid[None, :], s * sm_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         if INT4:
             pw = p
         else:
             pw = p * vs[None, :]  # fold the per-token V scale into the probabilities
-        if IEEE:
-            pv = tl.dot(pw, v, input_precision="ieee")
-        else:
-            pv = tl.dot(pw.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = acc * alpha[:, None] + dot(pw, v, IEEE)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(
-        part_out_ptr + sp * stride_ps + b * stride_pb + heads[:, None] * stride_ph + offs_d[None, :],
-        out, mask=g_mask[:, None] & d_mask[None, :],
+    store_split(
+        acc, m_i, l_i, part_out_ptr, part_lse_ptr, sp, b, heads, offs_d, g_mask, d_mask,
+        stride_ps, stride_pb, stride_ph, stride_ls, stride_lb,
     )  # fmt: skip
-    tl.store(part_lse_ptr + sp * stride_ls + b * stride_lb + heads, lse, mask=g_mask)
 
 
 def quant_paged_decode(

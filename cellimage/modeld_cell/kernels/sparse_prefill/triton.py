@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from modeld_cell.kernels.common import dot
+
 from .reference import check_block_mask, check_qkv, mask_to_kv_indices
 
 _LOG2E = 1.4426950408889634
@@ -57,10 +59,7 @@ def _block_sparse_attn_fwd_kernel(
         offs_n = (kb * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         kv_mask = (offs_n[:, None] < T) & d_mask[None, :]
         k = tl.load(k_ptr + offs_n[:, None] * stride_kt + hkv * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = dot(q, tl.trans(k), IEEE)
         keep = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] < T)  # causal within the diagonal block
         s = tl.where(keep, s * qk_scale, float("-inf"))  # [BLOCK, BLOCK], log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -69,11 +68,7 @@ def _block_sparse_attn_fwd_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + offs_n[:, None] * stride_vt + hkv * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + dot(p, v, IEEE)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no kept key stays 0
     tl.store(
