@@ -36,6 +36,7 @@ import torch
 
 from modeld_cell.engine import CellConfig, Engine, EngineSettings, SamplingParams
 from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.tokenizer import common_prefix
 
 SYSTEM = "You are a coding agent. Read each tool output, keep notes, and decide the next step."
 TASK = "Investigate these standard-library modules and explain how they fit together."
@@ -75,18 +76,9 @@ def build_prompts(eng: Engine, turns: int, chunk: int, tail: int) -> tuple[list[
     return prompts, states
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def agree(a: list[int], b: list[int]) -> str:
     """'n/n' tokens equal before the first difference."""
-    return f"{lcp(a, b)}/{max(len(a), len(b))}"
+    return f"{common_prefix(a, b)}/{max(len(a), len(b))}"
 
 
 async def first_token(eng: Engine, sid: str, gen: int) -> tuple[float, list[int]]:
@@ -157,7 +149,7 @@ async def main() -> None:
 
     prev: list[int] = []
     for i, ids in enumerate(prompts):
-        row: dict = {"turn": i, "context": len(ids), "stable_prefix": lcp(prev, ids)}
+        row: dict = {"turn": i, "context": len(ids), "stable_prefix": common_prefix(prev, ids)}
         row["new_tokens"] = len(ids) - row["stable_prefix"]
         r = await turn(reuse, "agent", ids, a.gen)
         c = await turn(cold, "agent", ids, a.gen)
@@ -186,7 +178,7 @@ async def main() -> None:
             msgs = states[i] + [{"role": "user", "content": BRANCH_ASK}]
             bids = reuse.tokenizer.encode(reuse.tokenizer.apply_chat_template(msgs))
             br, bc = await turn(reuse, "branch", bids, a.gen), await turn(cold, "branch", bids, a.gen)
-            res["branch"] = {"greedy_tokens_agree": agree(br["tokens"], bc["tokens"]),"at_turn": i, "context": len(bids), "shared_with_trunk": lcp(ids, bids),
+            res["branch"] = {"greedy_tokens_agree": agree(br["tokens"], bc["tokens"]),"at_turn": i, "context": len(bids), "shared_with_trunk": common_prefix(ids, bids),
                              "reuse_first_output_s": br["first_output_s"], "reuse": br["reuse"],
                              "recompute_first_output_s": bc["first_output_s"],
                              "speedup": bc["first_output_s"] / br["first_output_s"]}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .engine import Engine, SamplingParams
+from .tokenizer import common_prefix
 
 # Thresholds per profile: min greedy agreement, max mean / max next-token KL (nats), capital and passkey must pass.
 PROFILE_THRESHOLDS: dict[str, dict[str, Any]] = {
@@ -122,7 +123,7 @@ async def quality_smoke(engine: Engine, reference_engine: Engine, n_tokens: int 
         finally:
             reference_engine.close_session(sid_r)
             engine.close_session(sid_e)
-        match += sum(1 for _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(mine, cont, strict=False)))
+        match += common_prefix(mine, cont)
         total += len(cont)
         a, k = await _teacher_forced(engine, reference_engine, ids, cont[:-1])
         agree += a

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from modeld_cell import __version__
+from modeld_cell.tokenizer import common_prefix
 
 from . import gates, workload
 from .client import CellError, Client
@@ -178,7 +179,7 @@ def agreement(cell: Target, base: Target) -> tuple[float, float, bool]:
     for a, b in zip(cell.quality["prompts"], base.quality["prompts"], strict=True):
         x, y = (a["tokens"], b["tokens"]) if same else (list(a["text"]), list(b["text"]))
         nxt.append(1.0 if (x[:1] == y[:1]) else 0.0)
-        greedy.append(workload.common_prefix(x, y) / max(len(x), len(y)) if (x or y) else 1.0)
+        greedy.append(common_prefix(x, y) / max(len(x), len(y)) if (x or y) else 1.0)
     return round(sum(nxt) / len(nxt), 4), round(sum(greedy) / len(greedy), 4), same
 
 

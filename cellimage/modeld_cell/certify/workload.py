@@ -94,10 +94,3 @@ def tier_prompt(tokenize: Callable[[str], list[int]], corpus_ids: list[int], tie
     return TierPrompt(intro + filler[:cut] + needle + filler[cut:] + question, key)
 
 
-def common_prefix(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
