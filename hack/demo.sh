@@ -23,13 +23,10 @@ echo "== helm install modeld"
 k wait --for=condition=Established crd/cells.modeld.contenox.io crd/sessions.modeld.contenox.io --timeout=60s >/dev/null
 
 echo "== the operator, as the chart's ServiceAccount (its RBAC and no more)"
-token=$(k create token modeld -n modeld-system --duration=24h)
-sed -e '/^users:/,$d' "$KUBECONFIG" > "$dir/operator.kubeconfig"
-printf 'users:\n- name: modeld-admin\n  user:\n    token: %s\ncontexts:\n- name: modeld-%s\n  context: {cluster: modeld-%s, user: modeld-admin}\ncurrent-context: modeld-%s\n' \
-  "$token" "$MODELD_CLUSTER" "$MODELD_CLUSTER" "$MODELD_CLUSTER" >> "$dir/operator.kubeconfig"
+operator_kubeconfig=$(hack/cluster sa-kubeconfig modeld-system modeld)
 if ! { [[ -f $dir/operator.pid ]] && kill -0 "$(cat "$dir/operator.pid")" 2>/dev/null; }; then
   # Sessions bind only to certified cells (the default): the session waits for certification, then goes to the winner.
-  KUBECONFIG=$dir/operator.kubeconfig MODELD_STATUS_INTERVAL=2 MODELD_METRICS_PORT=0 MODELD_LOG_FORMAT=plain \
+  KUBECONFIG=$operator_kubeconfig MODELD_STATUS_INTERVAL=2 MODELD_METRICS_PORT=0 MODELD_LOG_FORMAT=plain \
     setsid .venv/bin/python -m modeld_operator >"$dir/operator.log" 2>&1 < /dev/null &
   echo $! > "$dir/operator.pid"
 fi

@@ -104,13 +104,9 @@ def chart(cluster: Cluster) -> str:
 @pytest.fixture(scope="session")
 def operator_kubeconfig(cluster: Cluster, chart: str) -> Path:
     """A kubeconfig holding a token of the chart's ServiceAccount: the operator gets the chart's RBAC and no more."""
-    token = cluster.kubectl("create", "token", f"{RELEASE}", "-n", RELEASE_NS, "--duration=24h").stdout.strip()
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    admin["users"] = [{"name": "operator", "user": {"token": token}}]
-    admin["contexts"][0]["context"]["user"] = "operator"
-    path = cluster.dir / "operator.kubeconfig"
-    path.write_text(yaml.safe_dump(admin))
-    return path
+    res = subprocess.run([str(ROOT / "hack" / "cluster"), "sa-kubeconfig", RELEASE_NS, RELEASE],
+                         env=ENV, capture_output=True, text=True, timeout=120, check=True)
+    return Path(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
