@@ -1,15 +1,20 @@
 """Serving profiles on the CPU torch path, real SmolLM2-135M-Instruct (fp32 weights), through the Engine.
 
 Measures
-  * KV capacity per precision (fp32, bf16, int8, fp8-e4m3): bytes/token and tokens that fit at --kv-mib,
+  * KV capacity per precision (fp32, bf16, int8, fp8-e4m3, int4): bytes/token (fp16 scales included) and tokens
+    that fit at --kv-mib, and whether the worker offers the format (``kv_cache.UNSERVED_KV_FORMATS``),
   * decode ms/token after a --decode-ctx prefill per precision (median of --decode-tokens steps),
-  * ``modeld_cell.quality.quality_smoke`` of int8 / fp8-e4m3 against the fp32-KV dense engine, and of block-sparse
-    forced on a short passkey prompt (min tokens 64, no density cut-off), with the PROFILE_THRESHOLDS verdict,
+  * ``modeld_cell.quality.quality_smoke`` of int8 / fp8-e4m3 / int4 against the fp32-KV dense engine, and of
+    block-sparse forced on a short passkey prompt (min tokens 64, no density cut-off), with the PROFILE_THRESHOLDS
+    verdict (int4 is measured although the worker refuses it: the measurement is the reason),
   * block-sparse at the default settings on real text at --sparse-contexts tokens: prefill time dense vs sparse,
     mean block density, next-token KL at the prompt end and greedy agreement of 16 generated tokens.
-Writes JSON (--out) and prints it.
+Writes JSON (--out) and prints it. --sections and --kv run a subset (the 2-core CI box takes minutes per smoke);
+--rotate names the quantized formats stored Hadamard-rotated for this run (default: the format's own,
+``quant_kv.reference.ROTATED_FORMATS``; "" for none), to measure the rotation's effect on each format.
 
     PYTHONPATH=cellimage python benchmarks/profiles_cpu.py --out _out/profiles_cpu.json
+    PYTHONPATH=cellimage python benchmarks/profiles_cpu.py --sections quality --kv int4 --out _out/int4.json
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch
 
 from modeld_cell import quality
 from modeld_cell.engine import CellConfig, Engine, EngineSettings, SamplingParams
-from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.kernels.quant_kv import reference as quant_ref
+from modeld_cell.kv_cache import UNSERVED_KV_FORMATS, PagedKVCache, kv_format
 
 SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
         "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
@@ -37,11 +43,15 @@ SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format"
 
 def engine_like(base: Engine, kv: str = "fp32", attention: str = "dense", kv_mib: int = 512,
                 **settings: object) -> Engine:
-    """A second engine on base's weights with its own KV pool, profile and settings."""
-    spec = {**SPEC, "kvMemoryMiB": kv_mib, "profile": {**SPEC["profile"], "kv": kv, "attention": attention}}
+    """A second engine on base's weights with its own KV pool, profile and settings. A format the worker does not
+    offer (int4) is built directly, bypassing the spec parser that refuses it, so that it can be measured."""
+    served = kv not in UNSERVED_KV_FORMATS
+    spec = {**SPEC, "kvMemoryMiB": kv_mib,
+            "profile": {**SPEC["profile"], "kv": kv if served else "fp32", "attention": attention}}
     cfg = CellConfig.from_spec(spec)
+    cfg.kv = kv_format(kv, served_only=False).name
     a = base.model.args
-    cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), kv_mib << 20)
+    cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv, served_only=False), kv_mib << 20)
     st = EngineSettings(threads=torch.get_num_threads(), **settings)  # type: ignore[arg-type]
     return Engine(base.model, base.tokenizer, cache, cfg, dict(base.identity, kv_dtype=cfg.kv), st)
 
@@ -75,34 +85,55 @@ async def main() -> None:
     ap.add_argument("--decode-ctx", type=int, default=1024)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--sparse-contexts", default="4096,8000")  # + 16 generated <= tier 8192
+    ap.add_argument("--sections", default="capacity,quality,sparse")
+    ap.add_argument("--kv", default="fp32,bf16,int8,fp8-e4m3,int4")
+    ap.add_argument("--rotate", default=None, help="comma list of quant formats (int8,fp8,int4) stored rotated")
     ap.add_argument("--out", default="_out/profiles_cpu.json")
     args = ap.parse_args()
+    sections, kvs = args.sections.split(","), args.kv.split(",")
+    if args.rotate is not None:
+        quant_ref.ROTATED_FORMATS = frozenset(f for f in args.rotate.split(",") if f)
     t0 = time.time()
     base = Engine.from_cell(SPEC)
     ids = corpus_ids(base)
     out: dict = {"meta": {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": sys.version.split()[0],
                           "machine": platform.machine(), "loadavg_start": os.getloadavg()[0],
-                          "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), "argv": sys.argv[1:]},
+                          "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), "argv": sys.argv[1:],
+                          "kv_scale_dtype": str(quant_ref.SCALE_DTYPE).removeprefix("torch."),
+                          "rotated_formats": sorted(quant_ref.ROTATED_FORMATS)},
                  "capacity": {}, "decode": {}, "quality": {}, "sparse": []}
 
-    for kv in ("fp32", "bf16", "int8", "fp8-e4m3"):
+    for kv in [k for k in kvs if "capacity" in sections]:
         e = engine_like(base, kv, kv_mib=args.kv_mib)
         c = e.capability()["kv"]
         out["capacity"][kv] = {"bytes_per_token": c["bytes_per_token"], "kv_mib": args.kv_mib,
-                               "max_tokens_in_budget": c["max_tokens_in_budget"]}
+                               "max_tokens_in_budget": c["max_tokens_in_budget"], "scales": c["scales"],
+                               "offered": kv not in UNSERVED_KV_FORMATS}
         await e.ensure_prefix("d", ids[: args.decode_ctx])
         _, per = await greedy(e, "d", args.decode_tokens)
         out["decode"][kv] = {"context": args.decode_ctx, "ms_per_token_median": round(statistics.median(per), 2)}
         e.shutdown()
-    bf16 = out["capacity"]["bf16"]["max_tokens_in_budget"]
+    bf16 = out["capacity"].get("bf16", {}).get("max_tokens_in_budget")
     for c in out["capacity"].values():
-        c["vs_bf16"] = round(c["max_tokens_in_budget"] / bf16, 3)
+        c["vs_bf16"] = round(c["max_tokens_in_budget"] / bf16, 3) if bf16 else None
 
-    for kv in ("int8", "fp8-e4m3"):
+    for kv in [k for k in kvs if "quality" in sections and k in ("int8", "fp8-e4m3", "int4")]:
         e = engine_like(base, kv)
         r = await quality.quality_smoke(e, base)
         out["quality"][kv] = {**r, "failures": quality.check(kv, r)}
         e.shutdown()
+    if "sparse" in sections:
+        await sparse_rows(base, ids, args, out)
+    out["meta"]["seconds"] = round(time.time() - t0, 1)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+    base.shutdown()
+
+
+async def sparse_rows(base: Engine, ids: list[int], args: argparse.Namespace, out: dict) -> None:
+    """The forced block-sparse quality smoke and the default-settings sparse prefill rows."""
     e = engine_like(base, attention="block-sparse", sparse_min_tokens=64, sparse_max_density=1.0)
     r = await quality.quality_smoke(e, base, prompts=quality.LONG_PROMPTS, n_tokens=24, passkey_repeats=14)
     out["quality"]["block-sparse (forced: min tokens 64, no density cut-off)"] = {
@@ -131,12 +162,6 @@ async def main() -> None:
         row["greedy_match_16"] = sum(x == y for x, y in zip(a, b, strict=True)) / 16
         out["sparse"].append(row)
     sp.shutdown()
-    out["meta"]["seconds"] = round(time.time() - t0, 1)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(out, indent=1))
-    base.shutdown()
 
 
 if __name__ == "__main__":

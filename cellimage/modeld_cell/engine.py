@@ -51,8 +51,7 @@ SUPPORTED_ATTENTION = ("dense",)
 SPARSE_ATTENTION = ("block-sparse", "sparse", "vertical-slash", "minference")
 SPARSE_BLOCK = 64                         # block-sparse prefill: tokens per query/key block (the kernels' default)
 UNSUPPORTED_MODES = [
-    "attention: block-sparse prefill of a chunk that follows cached tokens (runs dense; reported as fallback)",
-    "kv: int4 (kernels/quant_kv has it; the worker serves int8 and fp8-e4m3)",
+    "kv: int4 (the cache stores it, but it fails its quality smoke; kv_cache.UNSERVED_KV_FORMATS has the figures)",
     "topology: tensor / pipeline parallel",
     "sliding-window attention",
 ]
@@ -1258,7 +1257,7 @@ class Engine:
                 a = self.model.args
                 k, v = self.kv.read_tokens(s.blocks, s.kv_len)           # k, v: [L, kv_len, Hkv, D] (copies)
                 tensors = [("k", k), ("v", v)]
-                if (sc := self.kv.read_scales(s.blocks, s.kv_len)) is not None:  # quantized: [L, kv_len, Hkv] fp32
+                if (sc := self.kv.read_scales(s.blocks, s.kv_len)) is not None:  # quantized: fp16 scales
                     tensors += [("k_scale", sc[0]), ("v_scale", sc[1])]
                 tensors += [("logits", s.logits.float())] if s.logits is not None else []
                 table, off = [], 0
@@ -1322,16 +1321,13 @@ class Engine:
             toks = self._validate_tokens(sess["tokens"], "snapshot tokens")
             kv_len = int(sess["kv_len"])
             table = {t["name"]: t for t in header["payload"]}
-            a = self.model.args
-            shape = (a.n_layers, kv_len, a.n_kv_heads, a.head_dim)
-            store = str(self.kv.fmt.storage).removeprefix("torch.")
-            want = {"k": (store, shape), "v": (store, shape)}
-            if self.kv.fmt.quantized:
-                want.update({n: ("float32", shape[:-1]) for n in ("k_scale", "v_scale")})
-            for name, (dt, shp) in want.items():
-                t = table[name]
-                if tuple(t["shape"]) != shp or t["dtype"] != dt:
-                    raise bad(f"tensor {name} is {t['dtype']}{t['shape']}, expected {dt}{list(shp)}")
+            spec = self.kv.payload_spec(kv_len)                          # {name: (dtype, shape)} as stored here
+            for name, (dt, shp) in spec.items():
+                t, want = table[name], str(dt).removeprefix("torch.")
+                if tuple(t["shape"]) != shp or t["dtype"] != want:
+                    hint = (" (written with fp32 KV scales, before they became fp16; recompute the session)"
+                            if name.endswith("_scale") and t["dtype"] == "float32" else "")
+                    raise bad(f"tensor {name} is {t['dtype']}{t['shape']}, expected {want}{list(shp)}{hint}")
             if sess.get("has_logits") and (tuple(table["logits"]["shape"]) != (self.vocab_size,)
                                            or table["logits"]["dtype"] != "float32"):
                 raise bad("logits do not match the vocabulary")
@@ -1362,12 +1358,8 @@ class Engine:
             s.blocks, s.hashes = [], []
             s.tokens, s.kv_len, s.logits = [], 0, None
             self._grow(s, len(toks))
-            k = _buffer_tensor(buf, base + table["k"]["offset"], self.kv.fmt.storage, shape)
-            v = _buffer_tensor(buf, base + table["v"]["offset"], self.kv.fmt.storage, shape)
-            scales = None
-            if self.kv.fmt.quantized:
-                scales = tuple(_buffer_tensor(buf, base + table[n]["offset"], torch.float32, shape[:-1])
-                               for n in ("k_scale", "v_scale"))
+            k, v, *sc = (_buffer_tensor(buf, base + table[n]["offset"], *spec[n]) for n in spec)
+            scales = (sc[0], sc[1]) if sc else None
             logits = None
             if sess.get("has_logits"):
                 logits = _buffer_tensor(buf, base + table["logits"]["offset"], torch.float32,
@@ -1402,7 +1394,7 @@ class Engine:
             "context_tier": self.context_tier,
             "model_max_context": a.max_seq_len,
             "kv": {"precision": self.kv.fmt.name, "storage": str(self.kv.fmt.storage).removeprefix("torch."),
-                   "scales": "fp32 per token per kv head" if self.kv.fmt.quantized else None,
+                   "scales": self.kv.fmt.scales,
                    "block_size": self.kv.block_size,
                    "bytes_per_token": self.kv.bytes_per_token, "budget_bytes": self.kv.budget_bytes,
                    "max_tokens_in_budget": self.kv.max_tokens, "num_blocks": kvs["num_blocks"],

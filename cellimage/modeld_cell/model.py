@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kernels import dispatch
-from .kernels.quant_kv.reference import dequantize
+from .kernels.quant_kv.reference import dequantize, format_of, is_rotated, rotate, unrotate
 
 
 @dataclass
@@ -169,10 +169,23 @@ def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_
     q:       [N, Hq, D]    queries of the new tokens (RoPE applied)
     k_new:   [N, Hkv, D]   keys of the new tokens (also written to the cache; passed to avoid re-reading it)
     v_new:   [N, Hkv, D]
-    k_cache: [num_blocks, BLOCK_SIZE, Hkv, D]  (vLLM NHD layout), v_cache likewise; int8 / fp8 when quantized
-    scales:  (k_scale, v_scale), each [num_blocks, BLOCK_SIZE, Hkv] fp32, for a quantized cache; else None
+    k_cache: [num_blocks, BLOCK_SIZE, Hkv, D]  (vLLM NHD layout), v_cache likewise; int8 / fp8 when quantized,
+             uint8 [num_blocks, BLOCK_SIZE, Hkv, D // 2] for packed int4
+    scales:  (k_scale, v_scale), each [num_blocks, BLOCK_SIZE, Hkv] fp16 (int4: [..., Hkv, D // 32]), for a
+             quantized cache; else None
     returns  [N, Hq, D] in q's dtype
     """
+    if scales is not None and is_rotated(format_of(k_cache)):
+        # int4 stores K/V rotated, quantize(k @ R) (quant_kv.reference): attend in the rotated basis, where
+        # q.k = (qR).(kR), and un-rotate the output, o = (P V R) R^T. Row-wise (exact butterflies): chunking-invariant.
+        o = _attention(rotate(q), rotate(k_new), rotate(v_new), k_cache, v_cache, meta, scales)
+        return unrotate(o)
+    return _attention(q, k_new, v_new, k_cache, v_cache, meta, scales)
+
+
+def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+               meta: AttnMetadata, scales: tuple[Tensor, Tensor] | None) -> Tensor:
+    """paged_attention in the basis the cache stores (shapes as there)."""
     n_tok, hq, d = q.shape
     hkv = k_new.shape[1]
     g = hq // hkv

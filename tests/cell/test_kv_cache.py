@@ -67,9 +67,65 @@ def test_write_read_round_trip_across_blocks():
     assert torch.equal(kv.k_layer(0)[blocks[1], 0], torch.ones(HKV, D))
 
 
+QD = 64  # quantized cases: int4 groups 32 values along D
+
+
+@pytest.mark.parametrize("fmt,storage,vdim,stail,bpt", [
+    ("int8", torch.int8, QD, (), 2 * L * HKV * (QD + 2)),
+    ("fp8-e4m3", torch.float8_e4m3fn, QD, (), 2 * L * HKV * (QD + 2)),
+    ("int4", torch.uint8, QD // 2, (QD // 32,), 2 * L * HKV * (QD // 2 + 2 * QD // 32)),
+])
+def test_quantized_layout_and_budget(fmt, storage, vdim, stail, bpt):
+    kv = PagedKVCache(L, HKV, QD, kv_format(fmt, served_only=False), 5 * 16 * bpt + 7)
+    assert kv.bytes_per_token == bpt and kv.num_blocks == 5
+    assert kv.k.shape == (L, 5, 16, HKV, vdim) and kv.k.dtype == storage
+    assert kv.k_scale is not None and kv.k_scale.shape == (L, 5, 16, HKV, *stail)
+    assert kv.k_scale.dtype == torch.float16                           # 2 bytes per scale (docs/kernels.md)
+    assert kv.k.numel() * kv.k.element_size() * 2 + kv.k_scale.numel() * 2 * 2 == kv.num_blocks * kv.block_bytes
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8-e4m3", "int4"])
+def test_quantized_write_read_and_copy_on_write(fmt):
+    """Writes quantize; read_tokens/read_scales + write_tokens (snapshots) and copy_block (copy-on-write) move the
+    stored bytes and fp16 scales exactly; what attention reads back dequantizes close to what was written."""
+    from modeld_cell.kernels.quant_kv import reference as quant_ref
+    kv = PagedKVCache(L, HKV, QD, kv_format(fmt, served_only=False), 1 << 20)
+    a, b = kv.allocate(3), kv.allocate(3)
+    n = 37
+    k, v = torch.randn(n, HKV, QD) * 3, torch.randn(n, HKV, QD)
+    for layer in range(L):
+        kv.write(layer, k * (layer + 1), v, kv.slots(a, 0, n))
+    got_k, got_v = kv.read_tokens(a, n)
+    scales = kv.read_scales(a, n)
+    assert scales is not None and scales[0].dtype == torch.float16 and got_k.shape[:3] == (L, n, HKV)
+    deq = quant_ref.dequantize(got_k[2], scales[0][2])                  # layer 2 held k * 3
+    step = {"int8": 1 / 127, "fp8-e4m3": 1 / 16, "int4": 1 / 7}[fmt]
+    want = k * 3
+    if fmt == "int4":                                                   # stored rotated: quantize(k @ R)
+        want = quant_ref.rotate(want)
+        assert (quant_ref.unrotate(deq) - k * 3).pow(2).mean().sqrt() <= 0.15 * (k * 3).pow(2).mean().sqrt()
+    assert (deq - want).abs().max() <= step * want.abs().max()
+    kv.write_tokens(b, got_k, got_v, scales)                            # a snapshot restored elsewhere
+    again_k, again_v = kv.read_tokens(b, n)
+    again_s = kv.read_scales(b, n)
+    assert again_s is not None
+    assert torch.equal(again_k.view(torch.uint8), got_k.view(torch.uint8))
+    assert torch.equal(again_v.view(torch.uint8), got_v.view(torch.uint8))
+    assert torch.equal(again_s[0], scales[0]) and torch.equal(again_s[1], scales[1])
+    c = kv.allocate(1)
+    kv.copy_block(a[1], c[0], 5)                                        # copy-on-write of a shared tail block
+    for src, dst in ((kv.k, kv.k), (kv.v, kv.v), (kv.k_scale, kv.k_scale), (kv.v_scale, kv.v_scale)):
+        assert src is not None and dst is not None
+        assert torch.equal(dst[:, c[0], :5].view(torch.uint8), src[:, a[1], :5].view(torch.uint8))
+    with pytest.raises(ValueError, match="scales must be given"):
+        kv.write_tokens(b, got_k, got_v)
+
+
 def test_formats():
-    with pytest.raises(errors.Unsupported):
-        kv_format("int4")
+    with pytest.raises(errors.Unsupported, match="quality smoke fails") as ei:
+        kv_format("int4")                                   # stored and measured, but not offered
+    assert ei.value.details["supported"] == ["bf16", "fp16", "fp32", "fp8-e4m3", "int8"]
+    assert kv_format("int4", served_only=False).quant == "int4"
     assert kv_format("fp8").name == kv_format("fp8_e4m3").name == "fp8-e4m3"
     assert kv_format("int8").quantized and not kv_format("bf16").quantized
     with pytest.raises(errors.BadRequest):

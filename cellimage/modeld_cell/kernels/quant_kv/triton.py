@@ -26,7 +26,7 @@ def _quant_paged_decode_kernel(
     q_ptr,  # [B, Hq, D] float
     k_ptr,  # [NB, BS, Hkv, DC] int8 / fp8 / uint8 (int4 packed, DC = D // 2)
     v_ptr,
-    ks_ptr,  # [NB, BS, Hkv] fp32, or [NB, BS, Hkv, D // 32] for int4
+    ks_ptr,  # [NB, BS, Hkv] fp16, or [NB, BS, Hkv, D // 32] for int4 (upcast to fp32 on load)
     vs_ptr,
     bt_ptr,  # [B, MB] int32
     seq_lens_ptr,  # [B] int32
@@ -97,17 +97,19 @@ def _quant_paged_decode_kernel(
             ks = tl.load(
                 ks_ptr + phys[:, None] * stride_ksb + slot[:, None] * stride_kst + hkv * stride_ksh + s_col[None, :],
                 mask=kv_mask, other=0.0,
-            )  # [BLOCK_N, BLOCK_D] group scale per element  # fmt: skip
+            ).to(tl.float32)  # [BLOCK_N, BLOCK_D] group scale per element  # fmt: skip
             vs = tl.load(
                 vs_ptr + phys[:, None] * stride_vsb + slot[:, None] * stride_vst + hkv * stride_vsh + s_col[None, :],
                 mask=kv_mask, other=0.0,
-            )  # fmt: skip
+            ).to(tl.float32)  # fmt: skip
             k = ((((k_raw.to(tl.int32) >> shift[None, :]) & 0xF) - 8).to(tl.float32) * ks).to(q.dtype)
             v = ((((v_raw.to(tl.int32) >> shift[None, :]) & 0xF) - 8).to(tl.float32) * vs).to(q.dtype)
             s = dot(q, tl.trans(k), IEEE)
         else:
             ks = tl.load(ks_ptr + phys * stride_ksb + slot * stride_kst + hkv * stride_ksh, mask=valid, other=0.0)
             vs = tl.load(vs_ptr + phys * stride_vsb + slot * stride_vst + hkv * stride_vsh, mask=valid, other=0.0)
+            ks = ks.to(tl.float32)  # fp16 in memory (2 bytes per token per head), fp32 in registers
+            vs = vs.to(tl.float32)
             k = k_raw.to(q.dtype)  # |int8| <= 127 and fp8 e4m3 are exact in bf16/fp16/fp32
             v = v_raw.to(q.dtype)
             s = dot(q, tl.trans(k), IEEE) * ks[None, :]
@@ -145,7 +147,8 @@ def quant_paged_decode(
     Args:
         q: [B, Hq, D] fp32/bf16/fp16, Hq = G * Hkv.
         k_cache, v_cache: [NB, BS, Hkv, D] int8 or torch.float8_e4m3fn, or [NB, BS, Hkv, D // 2] uint8 (int4).
-        k_scale, v_scale: fp32 [NB, BS, Hkv] (int8/fp8) or [NB, BS, Hkv, D // 32] (int4).
+        k_scale, v_scale: fp16 [NB, BS, Hkv] (int8/fp8) or [NB, BS, Hkv, D // 32] (int4), as ``reference.quantize``
+            makes them; upcast to fp32 in the kernel.
         block_tables: [B, MB] int32.  seq_lens: [B] int32 (0 -> out 0, lse -inf).
         fmt: "int8" | "fp8" | "int4", inferred from the cache dtype when None.
         sm_scale: default D ** -0.5.  num_splits, block_n, check_tables: as in paged_decode.triton.paged_decode.
