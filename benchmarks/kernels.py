@@ -3,8 +3,9 @@
     PYTHONPATH=cellimage python benchmarks/kernels.py --out _out/kernels.json
 
 On CUDA: paged decode achieved bandwidth (K+V bytes read / time) as a fraction of HBM peak at 32k and 128k context,
-the fused quantized decode (int8 / fp8 / int4) against bf16, block-sparse vs dense (SDPA) prefill at 32k/64k/128k,
-and the split merge; timings are triton.testing.do_bench medians. Every triton provider is first checked against
+the fused quantized decode (int8 / fp8 / int4) against bf16, block-sparse vs dense (SDPA) prefill at 32k/64k/128k
+fresh and as a chunk after a cached past (--sparse-past), and the split merge; timings are triton.testing.do_bench
+medians. Every triton provider is first checked against
 its torch reference (max_abs in the JSON); the script exits 1 if a check fails.
 On CPU: tiny shapes, torch providers only (triton needs --interpret and TRITON_INTERPRET=1; interpreter times say
 nothing about GPU speed). Best of a few time.perf_counter runs (the CPU may be shared).
@@ -157,39 +158,73 @@ def _decode_case(r: Runner, use_triton: bool, model: str, ctx: int, B: int) -> N
             add("quant_decode", f"torch-{fmt}", ms, qbytes)
 
 
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def bench_sparse(r: Runner, use_triton: bool) -> None:
     dev, cuda = r.device, r.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     H, Hkv, D, bs = (32, 8, 128, 64) if cuda else (9, 3, 64, 64)
-    if cuda:
+    if r.args.sparse_lengths is not None:
+        lengths = _int_list(r.args.sparse_lengths)
+    elif cuda:
         lengths = [32768] if r.args.quick else [32768, 65536, 131072]
     else:
         lengths = [256] if use_triton else [2048, 4096, 8192]
-    if use_triton:  # correctness at a small length first
+    # (past, chunk): a chunk prefilled after cached tokens, e.g. an agent session's next turn
+    if r.args.sparse_past is not None:
+        with_past = [tuple(_int_list(pc.replace(":", ","))) for pc in r.args.sparse_past.split(";") if pc]
+    elif cuda:
+        with_past = [(24576, 8192)] if r.args.quick else [(24576, 8192), (122880, 8192)]
+    else:
+        with_past = [(128, 130)] if use_triton else [(6144, 2048)]
+    if use_triton:  # correctness at a small length first, fresh and after a past that is not block-aligned
         from modeld_cell.kernels.sparse_prefill import triton as stri
 
         T = 1000 if cuda else 130
-        q, k, v = (torch.randn(T, h, D, device=dev).to(dtype) for h in (H, Hkv, Hkv))
-        m = sparse_ref.estimate_block_mask(q, k, bs, keep_ratio=r.args.keep_ratio)
-        r.check("sparse_prefill small", sparse_ref.block_sparse_attention(q, k, v, m, bs),
-                stri.block_sparse_attention(q, k, v, m, bs), 2e-2 if cuda else 1e-4)  # fmt: skip
-    for T in lengths:
-        _sparse_case(r, use_triton, T, H, Hkv, D, bs, dtype)
+        for past in (0, 77):
+            q, k, v = (
+                torch.randn(n, h, D, device=dev).to(dtype) for n, h in ((T, H), (past + T, Hkv), (past + T, Hkv))
+            )
+            m = sparse_ref.estimate_block_mask(q, k, bs, keep_ratio=r.args.keep_ratio)
+            r.check(f"sparse_prefill small past={past}", sparse_ref.block_sparse_attention(q, k, v, m, bs),
+                    stri.block_sparse_attention(q, k, v, m, bs), 2e-2 if cuda else 1e-4)  # fmt: skip
+    for past, T in [(0, n) for n in lengths] + with_past:
+        _sparse_case(r, use_triton, T, H, Hkv, D, bs, dtype, past)
         if cuda:
             torch.cuda.empty_cache()
 
 
-def _sparse_case(r: Runner, use_triton: bool, T: int, H: int, Hkv: int, D: int, bs: int, dtype: torch.dtype) -> None:
-    """Dense SDPA vs block-sparse prefill (vertical-slash mask at --keep-ratio) for one sequence of T tokens."""
+def _dense_with_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """CUDA dense baseline for a chunk after a past: SDPA with torch's lower-right causal bias (flash / efficient
+    kernels, no materialised mask) on [1, H, *, D] with K/V expanded to H heads. q [T, H, D], k/v [S, Hkv, D]."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    G = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]
+    kh, vh = (t.transpose(0, 1).repeat_interleave(G, 0)[None] for t in (k, v))
+    bias = causal_lower_right(q.shape[0], k.shape[0])
+    return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)[0].transpose(0, 1)
+
+
+def _sparse_case(r: Runner, use_triton: bool, T: int, H: int, Hkv: int, D: int, bs: int, dtype: torch.dtype,
+                 past: int = 0) -> None:  # fmt: skip
+    """Dense SDPA vs block-sparse prefill (vertical-slash mask at --keep-ratio) for T new tokens after past cached."""
     t0 = time.perf_counter()
     kr = r.args.keep_ratio
-    q, k, v = (torch.randn(T, h, D, device=r.device).to(dtype) for h in (H, Hkv, Hkv))
-    shape = dict(T=T, H=H, Hkv=Hkv, D=D, block=bs, dtype=str(dtype).split(".")[-1], keep_ratio=kr)
+    S = past + T
+    q = torch.randn(T, H, D, device=r.device).to(dtype)
+    k, v = (torch.randn(S, Hkv, D, device=r.device).to(dtype) for _ in range(2))
+    shape = dict(T=T, past=past, H=H, Hkv=Hkv, D=D, block=bs, dtype=str(dtype).split(".")[-1], keep_ratio=kr)
     mask = sparse_ref.estimate_block_mask(q, k, bs, keep_ratio=kr)
     density = sparse_ref.block_density(mask)
     est_ms = r.time_ms(lambda: sparse_ref.estimate_block_mask(q, k, bs, keep_ratio=kr))
     idx_ms = r.time_ms(lambda: sparse_ref.mask_to_kv_indices(mask))
-    dense_ms = r.time_ms(lambda: sparse_ref.dense_causal_attention(q, k, v))
+    if past and r.device.type == "cuda":
+        dense_ms = r.time_ms(lambda: _dense_with_past(q, k, v))
+    else:
+        dense_ms = r.time_ms(lambda: sparse_ref.dense_causal_attention(q, k, v))
     r.add(bench="prefill", provider="sdpa-dense", **shape, ms=dense_ms, density=1.0)
     if use_triton:
         from modeld_cell.kernels.sparse_prefill import triton as stri
@@ -207,7 +242,7 @@ def _sparse_case(r: Runner, use_triton: bool, T: int, H: int, Hkv: int, D: int, 
     r.add(bench="prefill", provider=("triton" if use_triton else "torch") + "-sparse", **shape, ms=ms,
           estimate_ms=est_ms, index_ms=idx_ms, end_to_end_ms=e2e, density=density,
           speedup_vs_sdpa=dense_ms / ms, end_to_end_speedup_vs_sdpa=dense_ms / e2e,
-          choose_path=sparse_ref.choose_path(T, density), wall_s=time.perf_counter() - t0)  # fmt: skip
+          choose_path=sparse_ref.choose_path(T, density, past=past), wall_s=time.perf_counter() - t0)  # fmt: skip
 
 
 def bench_merge(r: Runner, use_triton: bool) -> None:
@@ -233,6 +268,12 @@ def main() -> int:
     p.add_argument("--only", default="decode,sparse,merge", help="comma list of decode, sparse, merge")
     p.add_argument("--interpret", action="store_true", help="CPU: also run triton under TRITON_INTERPRET=1")
     p.add_argument("--keep-ratio", type=float, default=0.05, help="vertical-slash keep_ratio for sparse prefill")
+    p.add_argument("--sparse-lengths", default=None, help="fresh prefill lengths, comma list (default by device)")
+    p.add_argument(
+        "--sparse-past",
+        default=None,
+        help="PAST:CHUNK pairs, ';'-separated: chunks after a cached past (default by device; '' for none)",
+    )
     p.add_argument("--hbm-peak-tbs", type=float, default=None, help="HBM peak in TB/s (default: by GPU name)")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench rep budget per measurement (CUDA)")
     p.add_argument("--cpu-reps", type=int, default=5)

@@ -571,13 +571,18 @@ class Engine:
         return self.config.attention_requested in SPARSE_ATTENTION
 
     def _sparse_meta(self, n_tokens: int, start: int) -> tuple[dict | None, str | None]:
-        """Block-sparse settings for a prefill chunk of n_tokens at ``start`` (None: dense), and why not."""
+        """Block-sparse settings for a prefill chunk of n_tokens after ``start`` cached tokens (None: dense), and why
+        not. The chunk attends start + n_tokens keys: that is what sparse_min_tokens is compared with."""
         st = self.settings
-        if start > 0:
-            return None, (f"chunk follows {start} cached tokens; block-sparse prefill has no past-context path "
-                          "(kernels/sparse_prefill takes one sequence from position 0)")
-        if sparse_ref.choose_path(n_tokens, None, st.sparse_min_tokens) == "dense":
-            return None, f"prompt chunk of {n_tokens} tokens shorter than {st.sparse_min_tokens}"
+        if sparse_ref.choose_path(n_tokens, None, st.sparse_min_tokens, past=start) == "dense":
+            after = f" after {start} cached tokens" if start else ""
+            if start + n_tokens >= st.sparse_min_tokens:
+                return None, (f"chunk of {n_tokens} tokens{after}: fewer than {sparse_ref.DENSE_BELOW_QUERIES} new "
+                              "tokens, where the pattern estimate costs about as much as dense attention")
+            if not start:
+                return None, f"prompt chunk of {n_tokens} tokens shorter than {st.sparse_min_tokens}"
+            return None, (f"chunk of {n_tokens} tokens{after}: {start + n_tokens} keys, shorter than "
+                          f"{st.sparse_min_tokens}")
         return {"block_size": SPARSE_BLOCK, "keep_ratio": st.sparse_keep_ratio, "min_tokens": st.sparse_min_tokens,
                 "max_density": st.sparse_max_density}, None
 
@@ -784,7 +789,7 @@ class Engine:
     def _forward_prefill(self, tokens: list[int], start: int, blocks: list[int],
                          att: list[dict] | None = None) -> tuple[torch.Tensor, float]:
         """tokens at positions [start, start+T) of a session with block table ``blocks``; returns (logits [V], t0).
-        A block-sparse cell appends {"tokens", "layers", "sparse_layers", "densities", "reason"} to ``att``."""
+        A block-sparse cell appends {"tokens", "past", "layers", "sparse_layers", "densities", "reason"} to ``att``."""
         t_start = time.perf_counter()
         dev = self.kv.k.device
         end = start + len(tokens)
@@ -806,7 +811,7 @@ class Engine:
             if reason is None and len(ran) < self.model.args.n_layers:
                 reason = (f"estimated block density above {self.settings.sparse_max_density} in "
                           f"{self.model.args.n_layers - len(ran)} of {self.model.args.n_layers} layers")
-            rec = {"tokens": len(tokens), "layers": self.model.args.n_layers, "sparse_layers": len(ran),
+            rec = {"tokens": len(tokens), "past": start, "layers": self.model.args.n_layers, "sparse_layers": len(ran),
                    "densities": dens, "reason": reason}
             att.append(rec)
             self.sparse_stats["chunks_sparse" if ran else "chunks_dense"] += 1
@@ -835,13 +840,14 @@ class Engine:
         """Run ``new`` (appended after s.tokens[:s.kv_len]) through the model in chunks, committing each chunk.
 
         Blocks must already cover the result. Returns (prefill_ms, queue_ms). Raises Timeout between chunks.
-        A block-sparse cell prefills a fresh sequence (nothing cached before it) in ONE chunk, since the sparse
-        kernel has no past-context path; ``att`` collects each chunk's attention record (``_forward_prefill``).
+        A block-sparse cell prefills ``new`` in ONE chunk whenever that chunk qualifies for the sparse path (after a
+        past or not: ``_sparse_meta``), since sparsity pays off only on long chunks; otherwise it chunks as usual.
+        ``att`` collects each chunk's attention record (``_forward_prefill``).
         """
         t0 = time.perf_counter()
         queue_ms: float | None = None
         chunk = self.settings.prefill_chunk
-        if self.sparse and s.kv_len == 0:
+        if self.sparse and self._sparse_meta(len(new), s.kv_len)[0] is not None:
             chunk = max(chunk, len(new))
         self._running_prefills += 1
         try:
@@ -1422,7 +1428,8 @@ class Engine:
                           "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": self.settings.sparse_min_tokens,
                                      "max_density": self.settings.sparse_max_density,
                                      "keep_ratio": self.settings.sparse_keep_ratio,
-                                     "scope": "fresh sequences in one chunk; chunks after cached tokens run dense",
+                                     "scope": "one chunk per prefill with >= min_tokens keys (past + new) and >= 256 new "
+                                              "tokens, fresh or after cached tokens",
                                      **self.sparse_stats}
                           if self.sparse else None},
             "prefix_reuse": "cross-session" if self.config.prefix_reuse else "off",

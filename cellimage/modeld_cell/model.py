@@ -106,7 +106,7 @@ class AttnMetadata:
     seq_lens_list: the same as python ints (host-side loops avoid a sync per read)
     contiguous:    per session, the first block id when its blocks are consecutive ids (zero-copy views), else None
     sparse:        prefill only: block-sparse settings ({"block_size", "keep_ratio", "min_tokens", "max_density"})
-                   when the cell asked for block-sparse and this chunk has no past; None = dense
+                   when the cell asked for block-sparse and this chunk qualifies (engine._sparse_meta); None = dense
     sparse_log:    filled by paged_attention, one {"path", "density", "backend"} per layer that tried sparse
     """
 
@@ -209,9 +209,13 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
     # prefill: one session, T = n_tok new tokens after `past` cached ones
     t = n_tok
     past = meta.seq_lens_list[0] - t
-    if meta.sparse is not None and past == 0:
+    if meta.sparse is not None:
         sp = meta.sparse
-        o, info = dispatch.sparse_prefill(q, k_new, v_new, block_size=sp["block_size"], sm_scale=scale,
+        ka, va = k_new, v_new                                                # k, v: [past + T, Hkv, D]
+        if past:  # keys read back from the cache (new rows included), as the dense CPU path reads them
+            ka = _past_float(k_cache, ks, meta, past + t, q.dtype)
+            va = _past_float(v_cache, vs, meta, past + t, q.dtype)
+        o, info = dispatch.sparse_prefill(q, ka, va, block_size=sp["block_size"], sm_scale=scale,
                                           keep_ratio=sp["keep_ratio"], min_tokens=sp["min_tokens"],
                                           max_density=sp["max_density"], return_info=True)
         meta.sparse_log.append(info)

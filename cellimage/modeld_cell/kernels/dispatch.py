@@ -135,7 +135,7 @@ def quant_paged_decode(
     check_tables: bool = True,
     force: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Paged GQA decode over an int8 / fp8 / int4 cache (layouts in quant_kv/reference.py).
+    """Paged GQA decode over an int8 / fp8 / int4 cache with fp16 scales (layouts in quant_kv/reference.py).
 
     Returns out [B, Hq, D] (q.dtype), plus lse [B, Hq] fp32 natural log with return_lse.
     """
@@ -158,22 +158,25 @@ def sparse_prefill(
     return_info: bool = False,
     force: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, Any]]:
-    """Causal prefill for one sequence: q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D] in q.dtype.
+    """Causal prefill for one sequence, after S - T cached tokens: q [T, H, D] at positions S-T..S-1, k/v [S, Hkv, D]
+    (past keys, then the new ones; S == T: a fresh prefill) -> out [T, H, D] in q.dtype.
 
-    With block_mask [H, nB, nB] the block-sparse kernel runs on exactly that mask. Without it the path is chosen:
-    dense SDPA when T < min_tokens; otherwise the vertical-slash estimate (keep_ratio) builds a mask and runs sparse
-    unless its density exceeds max_density. return_info adds {"path", "density", "backend"}.
+    With block_mask [H, nQB, nKB] (sparse_prefill/reference.py: blocks at absolute multiples of block_size, bottom-right
+    aligned) the block-sparse kernel runs on exactly that mask. Without it the path is chosen: dense SDPA when
+    S < min_tokens or T < the reference's DENSE_BELOW_QUERIES; otherwise the vertical-slash estimate (keep_ratio, last
+    query block against all S keys) builds a mask and runs sparse unless its density exceeds max_density.
+    return_info adds {"path", "density", "backend"}.
     """
     backend = get_backend(q.device, force)
     info: dict[str, Any] = {"path": "sparse", "density": None, "backend": backend}
-    T = q.shape[0]
+    T, past = q.shape[0], k.shape[0] - q.shape[0]
     if block_mask is None:
-        if _sparse_ref.choose_path(T, None, min_tokens, max_density) == "dense":
+        if _sparse_ref.choose_path(T, None, min_tokens, max_density, past) == "dense":
             info["path"] = "dense"
         else:
             block_mask = _sparse_ref.estimate_block_mask(q, k, block_size=block_size, keep_ratio=keep_ratio)
             info["density"] = _sparse_ref.block_density(block_mask)
-            info["path"] = _sparse_ref.choose_path(T, info["density"], min_tokens, max_density)
+            info["path"] = _sparse_ref.choose_path(T, info["density"], min_tokens, max_density, past)
     if info["path"] == "dense":
         out = _sparse_ref.dense_causal_attention(q, k, v, sm_scale)  # SDPA: flash on CUDA, fused on CPU
     else:
