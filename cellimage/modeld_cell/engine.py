@@ -422,6 +422,8 @@ class Engine:
                   settings: EngineSettings | None = None) -> Engine:
         from .models import build_model, load_checkpoint
         from .models.fetch import ensure_smollm2
+        from .models.lora import load_adapter
+        from .models.lora import merge as merge_adapter
 
         cfg = CellConfig.from_spec(spec)
         settings = settings or EngineSettings.from_env()
@@ -441,11 +443,18 @@ class Engine:
         if cfg.model_format and cfg.model_format.lower() not in (ckpt.format, "auto"):
             raise errors.BadRequest(f"model.format {cfg.model_format!r} but {model_path} is {ckpt.format}",
                                     field="model.format")
+        # a LoRA adapter (models/lora.py) is read and checked against the model's shapes before the model is built
+        adapter_ref = (cfg.raw.get("model") or {}).get("adapter")
+        adapter = load_adapter(str(adapter_ref), ckpt.args) if adapter_ref else None
         dtype = _DTYPES[cfg.weights]
         model, digest, source_sha = build_model(ckpt, dtype, device=cfg.device)
         if cfg.model_digest and cfg.model_digest not in (digest, digest.removeprefix("sha256:")):
             raise errors.BadRequest(f"model.digest {cfg.model_digest} does not match the loaded weights {digest}",
                                     field="model.digest", expected=cfg.model_digest, loaded=digest)
+        if adapter is not None:
+            # merged after the digest check: model_digest stays the base weights' digest (what spec.model.digest
+            # pins); the identity's "adapter" field names the adapter by its file's sha256
+            merge_adapter(model, adapter)
         a = ckpt.args
         kv = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
                           DEFAULT_BLOCK_SIZE, device=cfg.device)
@@ -456,7 +465,7 @@ class Engine:
             "backend_version": f"modeld {__version__}; torch {torch.__version__}", "kv_dtype": cfg.kv,
             "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
             "params": sum(p.numel() for p in model.parameters()),
-            "adapter": (cfg.raw.get("model") or {}).get("adapter"),
+            "adapter": adapter.describe() if adapter else adapter_ref,  # ref, file sha256, rank, alpha, scale, ...
             # the artifact as the cell names it (family, ref, digest, format, adapter) plus the file loaded
             "manifest_hash": "sha256:" + hashlib.sha256(json.dumps(
                 {"model": cfg.raw.get("model") or {}, "source_sha256": source_sha},
@@ -1418,11 +1427,12 @@ class Engine:
                       "architecture": a.arch, "layers": a.n_layers, "hidden": a.dim, "heads": a.n_heads,
                       "kv_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
                       "tokenizer_hash": self.identity["tokenizer_hash"],
-                      "template_hash": self.identity["template_hash"]},
+                      "template_hash": self.identity["template_hash"],
+                      "adapter": self.identity.get("adapter") or None},
             "attention": {"mode": "block-sparse" if self.sparse else "dense",
                           "requested": self.config.attention_requested,
-                          "prefill": ("torch flash (CPU) past+causal merge" if self.kv.k.device.type == "cpu"
-                                      else "torch sdpa")
+                          "prefill": ("torch segmented flash (CPU; chunking-invariant)"
+                                      if self.kv.k.device.type == "cpu" else "torch sdpa")
                           + ("; past blocks dequantized per chunk" if self.kv.fmt.quantized else ""),
                           "decode": self.decode_kernel,
                           "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": self.settings.sparse_min_tokens,
