@@ -7,7 +7,7 @@ standard-library source), each followed by a fixed assistant note, then --tail-t
 the loaded weights:
 
   reuse     prefixReuse on: one session; ensure_prefix keeps the transcript's KV (and finds cached blocks)
-  recompute prefixReuse off: the whole transcript runs through prefill every turn
+  recompute prefixReuse off and a new session every turn: the whole transcript runs through prefill
   floor     on the reuse engine, a session that already holds exactly the stable prefix; only the new suffix is
             prefilled (prefill_suffix), no lookup: the physical floor of a reused turn
   branch    at --branch-at, a new session that shares the transcript up to that turn's tool output and then asks
@@ -94,6 +94,9 @@ async def first_token(eng: Engine, sid: str, gen: int) -> tuple[float, list[int]
 
 
 async def turn(eng: Engine, sid: str, ids: list[int], gen: int) -> dict:
+    """One turn. On the recompute engine (prefixReuse off) the session is new every turn: nothing is reused."""
+    if not eng.config.prefix_reuse and sid in eng._sessions:
+        eng.close_session(sid)
     t0 = time.perf_counter()
     tr = await eng.ensure_prefix(sid, ids)
     pre = time.perf_counter() - t0
@@ -163,7 +166,7 @@ async def main() -> None:
             f, _ = await first_token(reuse, "floor", 1)
             row["floor_first_output_s"], row["floor_prefill_ms"] = pre + f, tr.prefill_ms
             reuse.close_session("floor")
-        # fp32: identical (tests/cell pin it); bf16: chunk boundaries differ, so rounding may flip a late token
+        # identical in fp32 and bf16 alike: the CPU path is chunking-invariant (tests/cell/test_invariance.py)
         row["greedy_tokens_agree"] = agree(r["tokens"], c["tokens"])
         row.update({f"reuse_{k}": v for k, v in r.items() if k != "tokens"})
         row.update({f"recompute_{k}": v for k, v in c.items() if k != "tokens"})

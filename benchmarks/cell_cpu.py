@@ -5,7 +5,7 @@ Measures
   * first-output latency (decode call -> first token) and per-token decode p50 / p90 / p95 after that prefill,
   * a 10-turn agent replay: each turn appends ~700 tokens of "tool output" (more library source) to a ChatML
     transcript and generates 32 greedy tokens; once with prefix reuse (ensure_prefix keeps the transcript's KV),
-    once without (the cell's prefixReuse off: every turn recomputes the whole transcript).
+    once without (prefixReuse off and a new session every turn: the whole transcript recomputed).
 Writes JSON (--out) and prints a table. Timings are medians over --repeats runs after one warm-up.
 
     PYTHONPATH=cellimage:operator python benchmarks/cell_cpu.py --weights bf16 --out _out/cell_cpu.json
@@ -73,6 +73,8 @@ async def replay(eng: Engine, chunks: list[str], turns: int, gen: int, tag: str)
         msgs.append({"role": "user", "content": f"<tool_output turn={i}>\n{chunks[i]}\n</tool_output>"})
         ids = tok.encode(tok.apply_chat_template(msgs))
         t0 = time.perf_counter()
+        if tag == "recompute" and i:
+            eng.close_session(sid)           # a fresh session and no prefix index: the whole transcript recomputed
         tr = await eng.ensure_prefix(sid, ids)
         first = None
         out: list[int] = []
@@ -132,7 +134,7 @@ async def main() -> None:
     if not a.skip_replay:
         chunks = tool_chunks(text[len(text) // 3 :], eng, a.turns)
         res["replay_reuse"] = await replay(eng, chunks, a.turns, 32, "reuse")
-        eng.config.prefix_reuse = False          # same engine, reuse off: every turn recomputes the transcript
+        eng.config.prefix_reuse = False          # same engine, no index, a new session each turn: recompute
         res["replay_recompute"] = await replay(eng, chunks, a.turns, 32, "recompute")
         eng.config.prefix_reuse = True
     res["loadavg_end"] = os.getloadavg()

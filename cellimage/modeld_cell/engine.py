@@ -41,7 +41,7 @@ import torch
 from . import __version__, errors
 from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY_MIB, PagedKVCache, kv_format
-from .model import AttnMetadata, Transformer, use_decode_kernel
+from .model import AttnMetadata, Transformer, use_decode_kernel, use_quant_decode_dispatch
 from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
 from .tokenizer import Tokenizer
 
@@ -478,13 +478,20 @@ class Engine:
 
     def _try_decode_kernel(self) -> None:
         """Validate kernels.dispatch.paged_decode against model.py's torch path; route decode through it when
-        MODELD_DECODE_ATTENTION says so ("dispatch"), or by default ("auto") on CUDA. On CPU "auto" keeps the
-        zero-copy torch path: the dispatch torch reference gathers blocks and measured ~3x slower per layer."""
+        MODELD_DECODE_ATTENTION says so ("dispatch"), or by default ("auto") on CUDA. On CPU "auto" keeps model.py's
+        segmented torch path, the one prefill uses: a decoded token's K/V are then the bits a later prefill of the
+        same tokens computes (exact reuse; docs/reuse.md), which no separate decode kernel promises."""
         from .model import paged_attention
         use_decode_kernel(None)
+        use_quant_decode_dispatch(False)
         mode = self.settings.decode_attention
-        if self.kv.fmt.quantized:  # model.paged_attention always sends a quantized cache to the quantized decode
+        if self.kv.fmt.quantized:
             from .kernels import dispatch
+            if self.kv.k.device.type == "cpu" and mode != "dispatch":
+                self.decode_kernel = (f"torch segmented (model._segmented_attention over the dequantized "
+                                      f"{self.kv.fmt.quant} cache; chunking-invariant)")
+                return
+            use_quant_decode_dispatch(True)
             self.decode_kernel = (f"kernels.dispatch.quant_paged_decode ({self.kv.fmt.quant}, "
                                   f"{dispatch.get_backend(self.kv.k.device)})")
             return
@@ -519,8 +526,8 @@ class Engine:
             use_decode_kernel(fn)
             self.decode_kernel = f"kernels.dispatch.paged_decode ({dispatch.get_backend(dev)}; validated)"
         else:
-            self.decode_kernel = ("torch zero-copy (model.paged_attention); kernels.dispatch.paged_decode validated "
-                                  "but not faster on CPU")
+            self.decode_kernel = ("torch segmented (model._segmented_attention; chunking-invariant); "
+                                  "kernels.dispatch.paged_decode validated but not used on CPU")
 
     def shutdown(self) -> None:
         """Stop the decode loop and the torch thread (tests, process exit)."""
@@ -693,12 +700,11 @@ class Engine:
         (in place) wins ties; otherwise cached full blocks are shared and a mid-block divergence is copied."""
         bs = self.kv.block_size
         ref = self.kv.ref
-        own = 0
-        if self.config.prefix_reuse:
-            held = s.tokens[: s.kv_len]
-            lim = min(len(held), len(toks))
-            while own < lim and held[own] == toks[own]:
-                own += 1
+        own = 0                 # the session's own KV always continues; prefixReuse governs the shared index
+        held = s.tokens[: s.kv_len]
+        lim = min(len(held), len(toks))
+        while own < lim and held[own] == toks[own]:
+            own += 1
         plan = _Plan(keep=own, source="session" if own else None)
         if self.config.prefix_reuse and len(toks) > 1:
             cap = len(toks) - 1    # one token always runs: its logits start the decode and no shared slot is rewritten
@@ -891,8 +897,8 @@ class Engine:
     async def ensure_prefix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace:
         """Create the session if absent; afterwards its KV holds exactly ``tokens``.
 
-        Keeps the longest common prefix with what it holds (when prefixReuse is on), drops the rest, computes the
-        remainder. Overflow (context tier or memory) is raised before anything changes. On Timeout or
+        Keeps the longest common prefix with what it holds, or with cached blocks of any session (prefixReuse),
+        drops the rest, computes the remainder. Overflow (context tier or memory) is raised before anything changes. On Timeout or
         cancellation mid-prefill the session holds a prefix of ``tokens`` (details.session_tokens), never
         anything else; calling again continues from there.
         """
@@ -1460,7 +1466,16 @@ class Engine:
                 "cached_tokens": len(idx) * self.kv.block_size, "evictable_blocks": idx.evictable,
                 "evictions": idx.evictions, "identity_key_fields": list(IDENTITY_KEY_FIELDS),
                 "identity_root": self._root.hex(), "eviction": "LRU over unreferenced cached blocks",
+                "exactness": self.reuse_exactness(),
                 "prefill_tok_s_measured": round(r, 1) if (r := self._prefill_rate()) else None}
+
+    def reuse_exactness(self) -> str:
+        """'bitwise' when this engine's attention and matmuls are chunking-invariant (the CPU torch path: reused,
+        branched, restored or decoded K/V are the bits a cold prefill computes; docs/reuse.md), else 'tolerance'."""
+        from .model import chunking_invariant
+        if chunking_invariant(self.kv.k.device) and not self.sparse and self.settings.decode_attention != "dispatch":
+            return "bitwise"
+        return "tolerance"
 
     def metrics(self) -> dict:
         running = len(self._decode_reqs) + self._running_prefills

@@ -10,8 +10,11 @@ which session each token belongs to. Two shapes occur:
   decode:  B sessions, N = B, one new token each
 Every layer writes its new K/V into the paged cache and then calls ``paged_attention`` -- the ONE place where
 attention reaches the kernels (``modeld_cell.kernels.dispatch`` when it is present and validated, else plain torch).
-A quantized cache (int8 / fp8) decodes through ``dispatch.quant_paged_decode``; a prefill chunk dequantizes only the
-past blocks it reads. A block-sparse cell's prefill of a fresh sequence goes through ``dispatch.sparse_prefill``.
+On CPU, dense attention (prefill chunks and decode steps alike) is ``_segmented_attention``, and every linear layer
+runs with at least two rows (``RowLinear``): each row's result is then bitwise independent of how the sequence was
+chunked, which makes prefix reuse exact in bf16 too (docs/reuse.md). On CUDA a quantized cache decodes through
+``dispatch.quant_paged_decode``. A block-sparse cell's long prefill chunks (fresh or after cached tokens) go through
+``dispatch.sparse_prefill``.
 """
 
 from __future__ import annotations
@@ -130,9 +133,25 @@ _DECODE_KERNEL: Callable[..., Tensor] | None = None
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+# Set by ``use_quant_decode_dispatch``: a quantized cache decodes through ``dispatch.quant_paged_decode`` on CPU
+# too (MODELD_DECODE_ATTENTION=dispatch); by default the CPU dequantizes into _segmented_attention like a prefill.
+_QUANT_DECODE_DISPATCH = False
+
+
+def chunking_invariant(device: torch.device) -> bool:
+    """Whether attention and matmuls on ``device`` give each row the same bits however a sequence is chunked
+    (``_segmented_attention`` + ``RowLinear``): the CPU torch path. CUDA runs SDPA / Triton, which do not promise it."""
+    return device.type == "cpu" and _FLASH_CPU is not None
+
+
 def use_decode_kernel(fn: Callable[..., Tensor] | None) -> None:
     global _DECODE_KERNEL
     _DECODE_KERNEL = fn
+
+
+def use_quant_decode_dispatch(on: bool) -> None:
+    global _QUANT_DECODE_DISPATCH
+    _QUANT_DECODE_DISPATCH = on
 
 
 def _past_kv(cache: Tensor, meta: AttnMetadata, b: int, n: int) -> Tensor:
@@ -145,21 +164,98 @@ def _past_kv(cache: Tensor, meta: AttnMetadata, b: int, n: int) -> Tensor:
     return cache.index_select(0, meta.block_tables[b, :nblk].long()).view(-1, *cache.shape[2:])[:n]
 
 
-def _past_float(cache: Tensor, scales: Tensor | None, meta: AttnMetadata, n: int, dtype: torch.dtype) -> Tensor:
-    """Session 0's first n cached tokens in ``dtype``: [n, Hkv, D]. A quantized cache dequantizes only these blocks
+def _past_float(cache: Tensor, scales: Tensor | None, meta: AttnMetadata, n: int, dtype: torch.dtype,
+                b: int = 0) -> Tensor:
+    """Session b's first n cached tokens in ``dtype``: [n, Hkv, D]. A quantized cache dequantizes only these blocks
     (a transient copy; the cache itself stays quantized)."""
     if scales is None:
-        return _past_kv(cache, meta, 0, n).to(dtype)
-    return dequantize(_past_kv(cache, meta, 0, n), _past_kv(scales, meta, 0, n)).to(dtype)
+        return _past_kv(cache, meta, b, n).to(dtype)
+    return dequantize(_past_kv(cache, meta, b, n), _past_kv(scales, meta, b, n)).to(dtype)
 
 
-def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
-    """Exact merge of two partial attentions over disjoint keys; natural-log LSE. o: [..., T, D], lse: [..., T]."""
-    m = torch.maximum(lse1, lse2)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both parts empty -> weights 0, never NaN
-    w1 = torch.exp(lse1 - m).unsqueeze(-1)
-    w2 = torch.exp(lse2 - m).unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2).clamp_min(1e-30)
+# Keys per segment of the CPU attention (see _segmented_attention).
+ATTN_SEGMENT = 512
+
+
+def _segmented_attention(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float,
+                         seg: int = ATTN_SEGMENT) -> Tensor:
+    """Causal attention of T query rows at positions q0..q0+T-1 over keys 0..q0+T-1, computed so that every row's
+    result is bitwise the same whatever the other rows are: a prompt prefilled in one chunk, in chunks cut anywhere
+    (after a reused prefix), or token by token (decode) yields the same bits. That is what makes prefix reuse exact
+    in bf16, where a different split of the same sum already rounds differently (docs/reuse.md, "Exactness").
+
+    The keys are cut at absolute multiples of ``seg``. Row p attends segment [a, a+seg) unmasked when p >= a+seg,
+    masked (key <= p; the open segment zero-padded to ``seg`` keys) when p lies inside it: which kind of flash call
+    computes (row, segment) depends only on p, and every call has exactly ``seg`` keys. Segments below the chunk's
+    first row go into one batched call. The per-segment (output, LSE) pairs then merge by one fixed formula: the
+    maximum LSE, then weights and weighted outputs summed in segment order (segments a row cannot see weigh an exact
+    0). Flash rows are independent of how many rows share a call once each call has a multiple of 4 rows (a q-block
+    of 1-3 rows takes another GEMM path; tail copies pad it). tests/cell/test_invariance.py checks all of this end
+    to end on the real model: a platform where it fails shows up there, not as silent drift.
+
+    q: [T, Hq, D]; k, v: [n, Hkv, D] with n == q0 + T (keys of the new rows included); returns [T, Hq, D].
+    """
+    assert _FLASH_CPU is not None
+    t, hq, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    assert n == q0 + t, (n, q0, t)
+    dev = q.device
+    nseg = -(-n // seg)
+    qh = q.view(t, hkv, g, d).permute(1, 2, 0, 3)                  # q: [Hkv, G, T, D] (rows of a KV head stacked)
+    lse_all = torch.full((nseg, hkv, g, t), -math.inf, dtype=torch.float32, device=dev)
+    parts: list[tuple[int, int, int, Tensor]] = []                  # (segment, first row, end row, output [Hkv,G,R,D])
+
+    def rows_of(r0: int, r1: int) -> tuple[Tensor, int]:
+        qq = qh[:, :, r0:r1].reshape(1, hkv, g * (r1 - r0), d)
+        extra = -(g * (r1 - r0)) % 4
+        if extra:
+            qq = torch.cat([qq, qq[:, :, -1:].expand(1, hkv, extra, d)], 2)
+        return qq, extra
+
+    def store(s0: int, r0: int, r1: int, o: Tensor, lse: Tensor) -> None:
+        rows = r1 - r0
+        for i in range(o.shape[0]):
+            parts.append((s0 + i, r0, r1, o[i, :, : g * rows].view(hkv, g, rows, d)))
+        lse_all[s0 : s0 + o.shape[0], :, :, r0:r1] = lse[:, :, : g * rows].reshape(-1, hkv, g, rows)
+
+    nb = q0 // seg                                                   # segments every row sees whole
+    if nb:
+        qq, _ = rows_of(0, t)
+        kb = k[: nb * seg].reshape(nb, seg, hkv, d).permute(0, 2, 1, 3)   # [nb, Hkv, seg, D] (strided view)
+        vb = v[: nb * seg].reshape(nb, seg, hkv, d).permute(0, 2, 1, 3)
+        o, lse = _FLASH_CPU(qq.expand(nb, -1, -1, -1), kb, vb, scale=scale)[:2]
+        store(0, 0, t, o, lse)
+    for si in range(nb, nseg):
+        a, b = si * seg, (si + 1) * seg
+        ks, vs = k[a:b].permute(1, 0, 2), v[a:b].permute(1, 0, 2)       # [Hkv, L, D]
+        if ks.shape[1] < seg:                                        # the open segment: pad to seg keys (masked)
+            pad = ks.new_zeros(hkv, seg - ks.shape[1], d)
+            ks, vs = torch.cat([ks, pad], 1), torch.cat([vs, pad], 1)
+        ks, vs = ks.unsqueeze(0), vs.unsqueeze(0)
+        for r0, r1, masked in ((max(0, b - q0), t, False), (max(0, a - q0), min(t, b - q0), True)):
+            if r1 <= r0:
+                continue
+            qq, extra = rows_of(r0, r1)
+            mask = None
+            if masked:
+                pos = torch.arange(q0 + r0, q0 + r1, device=dev)
+                vis = torch.arange(a, b, device=dev)[None, :] <= pos[:, None]               # [R, seg]
+                mask = torch.zeros(vis.shape, dtype=q.dtype, device=dev).masked_fill_(~vis, -math.inf).repeat(g, 1)
+                if extra:
+                    mask = torch.cat([mask, mask[-1:].expand(extra, seg)])
+                mask = mask[None, None]
+            o, lse = _FLASH_CPU(qq, ks, vs, attn_mask=mask, scale=scale)[:2]
+            store(si, r0, r1, o, lse)
+    # merge: m = max LSE (segment 0 is always seen, so finite); weights and weighted outputs summed in segment order.
+    # A (row, segment) pair a row cannot see is skipped, which is the same as adding its exact 0.
+    w = torch.exp(lse_all - lse_all.amax(0))                         # [nseg, Hkv, G, T]
+    num = torch.zeros(hkv, g, t, d, dtype=torch.float32, device=dev)
+    den = torch.zeros(hkv, g, t, dtype=torch.float32, device=dev)
+    for si, r0, r1, o in parts:                                      # segment order; one segment's row ranges disjoint
+        num[:, :, r0:r1].addcmul_(o, w[si, :, :, r0:r1].unsqueeze(-1))
+        den[:, :, r0:r1].add_(w[si, :, :, r0:r1])
+    return num.div_(den.unsqueeze(-1)).to(q.dtype).permute(2, 0, 1, 3).reshape(t, hq, d)
 
 
 def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -191,14 +287,19 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
     g = hq // hkv
     scale = 1.0 / math.sqrt(d)
     ks, vs = scales if scales is not None else (None, None)
-    if meta.kind == "decode" and ks is not None and vs is not None:
+    cpu = q.device.type == "cpu" and _FLASH_CPU is not None
+    if meta.kind == "decode" and ks is not None and vs is not None and (not cpu or _QUANT_DECODE_DISPATCH):
         return dispatch.quant_paged_decode(q, k_cache, v_cache, ks, vs, meta.block_tables, meta.seq_lens,
                                            sm_scale=scale, check_tables=False)
+    if meta.kind == "decode" and _DECODE_KERNEL is not None:
+        return _DECODE_KERNEL(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     if meta.kind == "decode":
-        if _DECODE_KERNEL is not None:
-            return _DECODE_KERNEL(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         out = torch.empty_like(q)
         for b, s in enumerate(meta.seq_lens_list):
+            if cpu:   # the same computation a prefill does for this row (chunking-invariant; exact reuse)
+                kb, vb = _past_float(k_cache, ks, meta, s, q.dtype, b), _past_float(v_cache, vs, meta, s, q.dtype, b)
+                out[b] = _segmented_attention(q[b : b + 1], kb, vb, s - 1, scale)[0]
+                continue
             k = _past_kv(k_cache, meta, b, s).to(q.dtype).permute(1, 0, 2)  # k: [Hkv, S, D] (strided view)
             v = _past_kv(v_cache, meta, b, s).to(q.dtype).permute(1, 0, 2)
             qb = q[b].view(hkv, g, d)                                        # q: [Hkv, G, D], head = kv*G + g
@@ -220,35 +321,40 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
                                           max_density=sp["max_density"], return_info=True)
         meta.sparse_log.append(info)
         return o
+    if cpu:
+        # keys read back from the cache (the new rows included): a quantized cache attends what it stores, the same
+        # values a later chunk or a decode step will read, so the result does not depend on the chunking
+        kall = _past_float(k_cache, ks, meta, past + t, q.dtype)
+        vall = _past_float(v_cache, vs, meta, past + t, q.dtype)
+        return _segmented_attention(q, kall, vall, past, scale)
+    # generic path (CUDA, old torch): one masked SDPA over past + new
     qh = q.transpose(0, 1).unsqueeze(0)                                      # q: [1, Hq, T, D]
     kn = k_new.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)          # k: [1, Hq, T, D]
     vn = v_new.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
-    if _FLASH_CPU is None or q.device.type != "cpu":
-        # generic path (CUDA, old torch): one masked SDPA over past + new
-        if past == 0:
-            o = F.scaled_dot_product_attention(qh, kn, vn, is_causal=True, scale=scale)
-        else:
-            kp = _past_float(k_cache, ks, meta, past, q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
-            vp = _past_float(v_cache, vs, meta, past, q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)  # [T, S]: key j <= past+i
-            o = F.scaled_dot_product_attention(qh, torch.cat([kp, kn], 2), torch.cat([vp, vn], 2),
-                                               attn_mask=mask, scale=scale)
-        return o.squeeze(0).transpose(0, 1).contiguous()
-    # CPU: causal flash over the new block, unmasked flash over the past, merged by LSE (masks cost ~2x here)
-    o_new, lse_new = _FLASH_CPU(qh, kn, vn, is_causal=True, scale=scale)     # o: [1, Hq, T, D], lse: [1, Hq, T]
     if past == 0:
-        return o_new.squeeze(0).transpose(0, 1).contiguous()
-    kp = _past_float(k_cache, ks, meta, past, q.dtype).permute(1, 0, 2).unsqueeze(0)  # k: [1, Hkv, S, D]
-    vp = _past_float(v_cache, vs, meta, past, q.dtype).permute(1, 0, 2).unsqueeze(0)
-    # GQA without copying K: the G query heads of one KV head stacked along the query axis (no mask, rows independent)
-    qg = qh.reshape(1, hkv, g * t, d)                                        # q: [1, Hkv, G*T, D]
-    o_past, lse_past = _FLASH_CPU(qg, kp.contiguous(), vp.contiguous(), scale=scale)
-    o = _merge(o_past.reshape(1, hq, t, d), lse_past.reshape(1, hq, t), o_new, lse_new)
-    return o.to(q.dtype).squeeze(0).transpose(0, 1).contiguous()
+        o = F.scaled_dot_product_attention(qh, kn, vn, is_causal=True, scale=scale)
+    else:
+        kp = _past_float(k_cache, ks, meta, past, q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+        vp = _past_float(v_cache, vs, meta, past, q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+        mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(past)  # [T, S]: key j <= past+i
+        o = F.scaled_dot_product_attention(qh, torch.cat([kp, kn], 2), torch.cat([vp, vn], 2),
+                                           attn_mask=mask, scale=scale)
+    return o.squeeze(0).transpose(0, 1).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Modules
+
+
+class RowLinear(nn.Linear):
+    """nn.Linear that never multiplies a single row on CPU: BLAS takes a GEMV path for M == 1 whose sums round
+    differently from the GEMM a prefill chunk uses, so a decoded token's K/V would differ from the same token's K/V
+    prefilled later. Two rows (the row twice) take the GEMM path; M >= 2 rows are independent of each other."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            return super().forward(torch.cat([x, x]))[:1]
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -297,8 +403,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv, bias=args.qkv_bias)  # fused q|k|v: one matmul per layer
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = RowLinear(args.dim, qkv, bias=args.qkv_bias)  # fused q|k|v: one matmul per layer
+        self.wo = RowLinear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Any, meta: AttnMetadata) -> Tensor:
         n = x.shape[0]
@@ -317,8 +423,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.inter = args.intermediate_size
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # fused gate|up
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = RowLinear(args.dim, 2 * args.intermediate_size, bias=False)  # fused gate|up
+        self.w2 = RowLinear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.inter, dim=-1)
@@ -345,7 +451,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = RowLinear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_seq_len, D] fp32

@@ -52,6 +52,13 @@ async def test_cross_session_hit_is_exact(engine, make_engine):
     assert tr_off.tokens_reused == 0 and off.kv.cached_blocks == 0      # prefixReuse off: nothing is shared
     c_out, _, _ = await generate(off, "c", 6, stop_token_ids=[])
     assert a_out == b_out == c_out == greedy_reference(engine, p, 6)
+    # prefixReuse off still continues a session from its own KV (the next turn computes only what changed) ...
+    tr_next = await off.ensure_prefix("c", p + c_out + [c_out[0]])
+    assert (tr_next.tokens_reused, tr_next.tokens_computed) == (len(p) + 5, 2)
+    assert tr_next.reuse["source"] == "session"
+    # ... but nothing is shared across sessions, not even after a close
+    off.close_session("c")
+    assert off.kv.cached_blocks == 0 and (await off.ensure_prefix("e", p)).tokens_reused == 0
     # full blocks a live session holds are shared, not copied: refcount 2
     tr = await eng.ensure_prefix("d", p + b_out[:3])
     assert tr.tokens_reused == len(p) + 2

@@ -124,7 +124,7 @@ def test_cell_spec_sources():
     assert cli.load_spec(None, Settings(cell_spec=CELL)) == cli.load_spec(None, Settings(cell_spec=CELL["spec"]))
     default = cli.load_spec(None, Settings())
     assert default["model"]["family"] == "smollm2" and default["contextTier"] == 8192
-    assert default["profile"] == {"weights": "q4_1", "kv": "fp32", "attention": "dense", "prefixReuse": True}
+    assert default["profile"] == {"weights": "q4_1", "kv": "bf16", "attention": "dense", "prefixReuse": True}
     assert default["kvMemoryMiB"] == 2048 and default["topology"]["gpus"] == 0
     env = Settings.from_env({"MODELD_CELL_SPEC": json.dumps(CELL), "MODELD_CELL_PORT": "9000"}, port=None)
     assert env.port == 9000 and env.cell_spec == CELL
@@ -136,4 +136,64 @@ def test_the_embedded_laptop_cell_is_accepted_by_the_engine():
     from modeld_cell.engine import CellConfig
 
     cfg = CellConfig.from_spec(cli.load_spec(None, Settings()))
-    assert (cfg.weights_storage, cfg.kv, cfg.context_tier, cfg.kv_memory_mib) == ("q4_1", "fp32", 8192, 2048)
+    assert (cfg.weights_storage, cfg.kv, cfg.context_tier, cfg.kv_memory_mib) == ("q4_1", "bf16", 8192, 2048)
+
+
+def _start_worker(cell: Path, smollm2_path: str, cache: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "cellimage"), str(REPO / "operator")]),
+           "MODELD_CACHE_DIR": str(cache), "MODELD_THREADS": "1", "MODELD_LOG_LEVEL": "INFO"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "modeld_cell", "serve", "--cell", str(cell),
+                                 "--host", "127.0.0.1", "--port", str(port), "--model", smollm2_path],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_restore_into_another_worker_process(smollm2_path, tmp_path):
+    """Snapshot in one worker process, restore over HTTP in a second process of the same cell (a shared volume): the
+    second continues exactly as the first would have, in bf16; a corrupted file is refused and changes nothing."""
+    spec = {**CELL["spec"], "profile": {"weights": "bf16", "kv": "bf16", "attention": "dense", "prefixReuse": True}}
+    cell = tmp_path / "cell.yaml"
+    cell.write_text(yaml.safe_dump({**CELL, "spec": spec}))
+    cache = tmp_path / "cache"                      # both processes mount the same snapshot directory
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = []
+    try:
+        for log in logs:
+            procs.append(_start_worker(cell, smollm2_path, cache, log))
+        (pa, a), (pb, b) = procs
+        for (p, url), log in zip(procs, logs, strict=True):
+            assert _wait_for(url + "/readyz", p, log) == {"ready": True}
+        messages = [{"role": "system", "content": "You are a careful assistant."},
+                    {"role": "user", "content": "List three uses of a lighthouse, one line each."}]
+        status, out = _http("POST", a + "/v1/sessions/s/prefix", {"messages": messages})
+        assert status == 200, out
+        status, first = _http("POST", a + "/v1/sessions/s/decode", {"max_tokens": 12})
+        assert status == 200, first
+        status, snap = _http("POST", a + "/v1/sessions/s/snapshot", {"path": "s.snap"})
+        assert status == 200 and snap["snapshot"]["session_tokens"] > 0, snap
+        status, want = _http("POST", a + "/v1/sessions/s/decode", {"max_tokens": 16})   # A goes on from the snapshot
+        assert status == 200, want
+
+        status, restored = _http("POST", b + "/v1/sessions/r/restore", {"path": "s.snap"})
+        assert status == 200, restored
+        assert restored["trace"]["reuse"]["tokens_restored"] == snap["snapshot"]["kv_tokens"]
+        status, got = _http("POST", b + "/v1/sessions/r/decode", {"max_tokens": 16})
+        assert status == 200, got
+        assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+
+        # a damaged copy is refused with a clear error; the session B holds is untouched
+        damaged = bytearray((cache / "snapshots" / "s.snap").read_bytes())
+        damaged[len(damaged) // 2] ^= 0xFF
+        (cache / "snapshots" / "bad.snap").write_bytes(bytes(damaged))
+        _, before = _http("GET", b + "/v1/sessions/r")
+        status, err = _http("POST", b + "/v1/sessions/r/restore", {"path": "bad.snap"})
+        assert status == 400 and err["error"]["kind"] == "bad_request" and "checksum" in err["error"]["message"], err
+        _, after = _http("GET", b + "/v1/sessions/r")
+        assert after["tokens"] == before["tokens"]
+    finally:
+        for p, _ in procs:
+            p.send_signal(signal.SIGTERM)
+        for p, _ in procs:
+            p.wait(timeout=60)

@@ -1,0 +1,166 @@
+"""Chunking invariance on the real SmolLM2 in bf16: prefix reuse is bitwise exact, not merely close.
+
+A position's K/V and next-token logits must be the same bits however the sequence got into the cache: one prefill
+chunk, chunks cut anywhere (after a reused prefix), blocks shared from another session, or tokens decoded one at a
+time in an earlier turn; and a session's output must not depend on which other sessions decode in the same batch.
+model._segmented_attention and model.RowLinear are built for this (docs/reuse.md, "Exactness"); these tests are
+where a platform whose BLAS or flash kernels break it would show up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from modeld_cell.engine import CellConfig, Engine, EngineSettings
+from modeld_cell.kv_cache import PagedKVCache, kv_format
+
+from .cellutil import generate
+from .conftest import SPEC
+
+pytestmark = pytest.mark.cell
+
+TEXT = ("def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n\n"
+        "The harbour master wrote every ship's name in a blue book, and the tide tables beside them. ")
+
+
+@pytest.fixture(scope="module")
+def bf16(smollm2_path: str) -> Engine:
+    spec = {**SPEC, "profile": {**SPEC["profile"], "weights": "bf16", "kv": "bf16"}}
+    eng = Engine.from_cell(spec, model_path=smollm2_path)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def sibling(bf16: Engine):
+    """Engines over the bf16 weights with their own KV pool, prefill chunk size and KV format."""
+    made: list[Engine] = []
+
+    def make(chunk: int = 512, kv: str = "bf16", prefix_reuse: bool = True) -> Engine:
+        spec = {**bf16.config.raw, "kvMemoryMiB": 64,
+                "profile": {**bf16.config.raw["profile"], "kv": kv, "prefixReuse": prefix_reuse}}
+        cfg = CellConfig.from_spec(spec)
+        a = bf16.model.args
+        cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), 64 << 20)
+        e = Engine(bf16.model, bf16.tokenizer, cache, cfg, dict(bf16.identity, kv_dtype=cfg.kv),
+                   EngineSettings(threads=torch.get_num_threads(), prefill_chunk=chunk))
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.shutdown()
+
+
+def prompt(eng: Engine, n: int) -> list[int]:
+    ids = eng.tokenizer.encode(TEXT * 40)[:n]
+    assert len(ids) == n
+    return ids
+
+
+def logits(eng: Engine, sid: str) -> torch.Tensor:
+    out = eng.next_token_logits(sid)
+    assert out is not None
+    return out.clone()
+
+
+async def cold(make, toks: list[int], n_new: int) -> tuple[torch.Tensor, list[int]]:
+    """A fresh engine (no reuse possible), one-pass-ish prefill in 512-token chunks: the reference."""
+    eng = make(512, prefix_reuse=False)
+    await eng.ensure_prefix("cold", toks)
+    lg = logits(eng, "cold")
+    out, _, _ = await generate(eng, "cold", n_new, stop_token_ids=[])
+    return lg, out
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    diff = float((got - want).abs().max())
+    assert torch.equal(got, want), f"logits differ (max abs {diff:.3g}): reuse is not exact"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+async def test_any_chunking_gives_the_same_bits(sibling, kv):
+    """Cuts at 1, 97, 300, 511/512/513 (segment edges), and a one-token chunk: the same logits, the same greedy text."""
+    n = 1100
+    toks = prompt(sibling(), n)
+    ref = sibling(512, kv=kv)
+    assert ref.reuse_report()["exactness"] == "bitwise"          # what GET /v1/capability -> reuse says
+    await ref.ensure_prefix("a", toks)
+    want_lg = logits(ref, "a")
+    want, _, _ = await generate(ref, "a", 12, stop_token_ids=[])
+    for chunk, first in ((97, 1), (300, 513), (1024, 511), (4096, n - 1)):
+        eng = sibling(chunk, kv=kv)
+        await eng.ensure_prefix("b", toks[:first])         # then the rest in `chunk`-sized pieces after it
+        await eng.ensure_prefix("b", toks)
+        assert_bitwise(logits(eng, "b"), want_lg)
+        got, _, _ = await generate(eng, "b", 12, stop_token_ids=[])
+        assert got == want, (chunk, first)
+
+
+async def test_cross_session_hit_and_branch_are_bitwise(sibling):
+    make = sibling
+    toks = prompt(make(), 900)
+    eng = make(512)
+    await eng.ensure_prefix("trunk", toks)
+    await generate(eng, "trunk", 5, stop_token_ids=[])
+    tr = await eng.ensure_prefix("copy", toks)                       # shares 56 blocks, copies the head of the 57th
+    assert tr.reuse["source"] == "prefix-cache" and tr.tokens_reused == len(toks) - 1
+    want_lg, want = await cold(make, toks, 10)
+    assert_bitwise(logits(eng, "copy"), want_lg)
+    got, _, _ = await generate(eng, "copy", 10, stop_token_ids=[])
+    assert got == want
+    branch = toks[:611] + eng.tokenizer.encode(" Then the bells rang twice and the harbour emptied.")
+    tr = await eng.ensure_prefix("branch", branch)
+    assert tr.tokens_reused == 611
+    want_lg, want = await cold(make, branch, 10)
+    assert_bitwise(logits(eng, "branch"), want_lg)
+    got, _, _ = await generate(eng, "branch", 10, stop_token_ids=[])
+    assert got == want
+
+
+async def test_multi_turn_with_decoded_tokens_matches_a_cold_run(sibling):
+    """Turn 2's prompt holds turn 1's reply, whose K/V the session computed one decode step at a time; a cold run
+    prefills the same tokens in chunks. Same bits after an edit in the middle, too (reuse stops at the edit)."""
+    make = sibling
+    eng = make(512)
+    toks = prompt(eng, 700)
+    await eng.ensure_prefix("s", toks)
+    reply, _, _ = await generate(eng, "s", 20, stop_token_ids=[])
+    turn2 = toks + reply + eng.tokenizer.encode("\nNow rewrite parse() to ignore comments.")
+    tr = await eng.ensure_prefix("s", turn2)
+    assert tr.tokens_reused >= len(toks) + len(reply) - 1
+    want_lg, want = await cold(make, turn2, 16)
+    assert_bitwise(logits(eng, "s"), want_lg)
+    got, _, _ = await generate(eng, "s", 16, stop_token_ids=[])
+    assert got == want
+    edited = list(turn2)
+    edited[350] = eng.tokenizer.encode(" lantern")[0]
+    tr = await eng.ensure_prefix("s", edited)
+    assert tr.tokens_reused == 350
+    want_lg, want = await cold(make, edited, 8)
+    assert_bitwise(logits(eng, "s"), want_lg)
+    got, _, _ = await generate(eng, "s", 8, stop_token_ids=[])
+    assert got == want
+
+
+async def test_batched_decode_equals_decoding_alone(sibling):
+    """Two sessions decoding in one batch (M = 2 rows per matmul) produce what each produces alone (M = 1)."""
+    eng = sibling(512)
+    a, b = prompt(eng, 300), prompt(eng, 450)[150:]
+    await eng.ensure_prefix("a", a)
+    await eng.ensure_prefix("b", b)
+    together = await asyncio.gather(generate(eng, "a", 16, stop_token_ids=[]),
+                                    generate(eng, "b", 16, stop_token_ids=[]))
+    m = eng.metrics()
+    assert m["decode_batch_tokens_total"] > m["decode_steps_total"], "the two decodes never shared a batch"
+    alone = sibling(512)
+    for sid, toks, (want, _, _) in (("a", a, together[0]), ("b", b, together[1])):
+        await alone.ensure_prefix(sid, toks)
+        got, _, _ = await generate(alone, sid, 16, stop_token_ids=[])
+        assert got == want, sid
+        for e in (eng, alone):          # run the pending last token, so both sessions have next-token logits
+            await e.ensure_prefix(sid, e.session_tokens(sid))
+        assert_bitwise(logits(alone, sid), logits(eng, sid))
