@@ -179,3 +179,22 @@ def test_pinned_cell():
 def test_spec_roundtrip_is_stable():
     spec = cell_spec()
     assert api.CellSpec.model_validate(copy.deepcopy(spec.model_dump(mode="json"))) == spec
+
+
+def test_node_index_keeps_what_placement_reads():
+    """The operator's node index (one watch instead of a list per Cell per tick) holds exactly what NodeView reads."""
+    from modeld_operator.handlers.cell import _nodes, node_index
+
+    node = {"metadata": {"name": "gpu-1", "labels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                                                     "modeld.contenox.io/interconnect": "nvswitch"},
+                         "annotations": {"big": "x" * 1000}},
+            "spec": {"unschedulable": True, "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]},
+            "status": {"allocatable": {"nvidia.com/gpu": "8", "cpu": "96"},
+                       "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "t"}],
+                       "images": [{"names": ["a"]}]}}
+    entry = node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"])
+    assert list(entry) == ["all"]
+    kept = entry["all"]
+    assert "annotations" not in kept["metadata"] and "images" not in kept["status"]     # nothing placement ignores
+    assert placement.NodeView.from_obj(kept) == placement.NodeView.from_obj(node)
+    assert _nodes({"all": [kept]}) == [kept]                                            # handlers read the index

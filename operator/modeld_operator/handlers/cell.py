@@ -99,9 +99,30 @@ def certify(
     return cert.model_dump(mode="json", exclude_none=True), (cert.certified, _reason(cert.gate or "none"), cert.reason or "")
 
 
-def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec) -> placement.Placement:
-    """Derive the Cell's status from nodes, pods, workers and bound sessions; patch it if anything changed."""
-    node_objs = kube.list_nodes()
+@kopf.index("", "v1", "nodes")
+def node_index(name: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[str, dict[str, Any]]:
+    """Every node, as placement reads it, kept current by one watch: status refreshes of many Cells cost no list
+    call against the apiserver. kopf fills the index before any Cell handler runs."""
+    return {"all": {
+        "metadata": {"name": name, "labels": dict(meta.get("labels") or {})},
+        "spec": {"unschedulable": bool(spec.get("unschedulable"))},
+        "status": {"allocatable": dict(status.get("allocatable") or {}),
+                   "conditions": [{"type": c.get("type"), "status": c.get("status")}
+                                  for c in status.get("conditions") or []]},
+    }}
+
+
+def _nodes(index: kopf.Index[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The indexed nodes (kopf passes the index to every handler as ``node_index``)."""
+    if index is None:
+        raise kopf.PermanentError("the node index was not passed to the handler (kopf registration broken)")
+    return list(index.get("all", []))
+
+
+def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec,
+                   node_objs: list[dict[str, Any]]) -> placement.Placement:
+    """Derive the Cell's status from nodes (the index), pods, workers and bound sessions; patch it if anything
+    changed."""
     nodes = [placement.NodeView.from_obj(n) for n in node_objs]
     labels_of = {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in node_objs}
     plan = placement.place(spec, nodes)
@@ -174,13 +195,14 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
 @kopf.on.resume(*CELLS)
 @kopf.on.create(*CELLS)
 @kopf.on.update(*CELLS, field="spec")
-def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, logger: Any, **_: Any) -> None:
+def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, logger: Any,
+              node_index: kopf.Index[str, dict[str, Any]] | None = None, **_: Any) -> None:
     namespace = kube.namespaced(namespace)
     cell = parse_spec(spec)
     manifest = placement.deployment(name, namespace, cell)
     kopf.append_owner_reference(manifest, owner=body)
     kube.apply_deployment(manifest)
-    plan = refresh_status(name, namespace, body, cell)
+    plan = refresh_status(name, namespace, body, cell, _nodes(node_index))
     metrics.RECONCILES.labels("cell", "ok" if plan.schedulable else "waiting").inc()
     if not plan.schedulable and cell.replicas:
         # Nodes may still join: wait for capacity instead of failing, and never crash-loop.
@@ -189,9 +211,10 @@ def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec
 
 
 @kopf.timer(*CELLS, interval=SETTINGS.status_interval, initial_delay=1.0)
-def watch_status(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **_: Any) -> None:
+def watch_status(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec,
+                 node_index: kopf.Index[str, dict[str, Any]] | None = None, **_: Any) -> None:
     namespace = kube.namespaced(namespace)
-    refresh_status(name, namespace, body, parse_spec(spec))
+    refresh_status(name, namespace, body, parse_spec(spec), _nodes(node_index))
 
 
 @kopf.on.delete(*CELLS)
