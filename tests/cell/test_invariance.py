@@ -81,6 +81,14 @@ def assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got, want), f"logits differ (max abs {diff:.3g}): reuse is not exact"
 
 
+async def assert_like_cold(make, eng: Engine, sid: str, toks: list[int], n_new: int) -> None:
+    """The session (holding toks, however it got them) has a cold run's logits, bit for bit, and greedy tokens."""
+    want_lg, want = await cold(make, toks, n_new)
+    assert_bitwise(logits(eng, sid), want_lg)
+    got, _, _ = await generate(eng, sid, n_new, stop_token_ids=[])
+    assert got == want, sid
+
+
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
 async def test_any_chunking_gives_the_same_bits(sibling, kv):
     """Cuts at 1, 97, 300, 511/512/513 (segment edges), and a one-token chunk: the same logits, the same greedy text."""
@@ -108,17 +116,11 @@ async def test_cross_session_hit_and_branch_are_bitwise(sibling):
     await generate(eng, "trunk", 5, stop_token_ids=[])
     tr = await eng.ensure_prefix("copy", toks)                       # shares 56 blocks, copies the head of the 57th
     assert tr.reuse["source"] == "prefix-cache" and tr.tokens_reused == len(toks) - 1
-    want_lg, want = await cold(make, toks, 10)
-    assert_bitwise(logits(eng, "copy"), want_lg)
-    got, _, _ = await generate(eng, "copy", 10, stop_token_ids=[])
-    assert got == want
+    await assert_like_cold(make, eng, "copy", toks, 10)
     branch = toks[:611] + eng.tokenizer.encode(" Then the bells rang twice and the harbour emptied.")
     tr = await eng.ensure_prefix("branch", branch)
     assert tr.tokens_reused == 611
-    want_lg, want = await cold(make, branch, 10)
-    assert_bitwise(logits(eng, "branch"), want_lg)
-    got, _, _ = await generate(eng, "branch", 10, stop_token_ids=[])
-    assert got == want
+    await assert_like_cold(make, eng, "branch", branch, 10)
 
 
 async def test_multi_turn_with_decoded_tokens_matches_a_cold_run(sibling):
@@ -132,18 +134,12 @@ async def test_multi_turn_with_decoded_tokens_matches_a_cold_run(sibling):
     turn2 = toks + reply + eng.tokenizer.encode("\nNow rewrite parse() to ignore comments.")
     tr = await eng.ensure_prefix("s", turn2)
     assert tr.tokens_reused >= len(toks) + len(reply) - 1
-    want_lg, want = await cold(make, turn2, 16)
-    assert_bitwise(logits(eng, "s"), want_lg)
-    got, _, _ = await generate(eng, "s", 16, stop_token_ids=[])
-    assert got == want
+    await assert_like_cold(make, eng, "s", turn2, 16)
     edited = list(turn2)
     edited[350] = eng.tokenizer.encode(" lantern")[0]
     tr = await eng.ensure_prefix("s", edited)
     assert tr.tokens_reused == 350
-    want_lg, want = await cold(make, edited, 8)
-    assert_bitwise(logits(eng, "s"), want_lg)
-    got, _, _ = await generate(eng, "s", 8, stop_token_ids=[])
-    assert got == want
+    await assert_like_cold(make, eng, "s", edited, 8)
 
 
 async def test_batched_decode_equals_decoding_alone(sibling):
