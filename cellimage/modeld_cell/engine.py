@@ -41,9 +41,9 @@ import torch
 from . import __version__, errors
 from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY_MIB, PagedKVCache, kv_format
-from .model import AttnMetadata, Transformer, use_decode_kernel, use_quant_decode_dispatch
+from .model import AttnMetadata, Transformer, chunking_invariant, use_decode_kernel, use_quant_decode_dispatch
 from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, common_prefix
 
 SNAPSHOT_MAGIC = b"MODELD-SNAPSHOT\x00"   # 16 bytes
 SNAPSHOT_VERSION = 2                      # v2: full cache identity, typed payload table (docs/reuse.md)
@@ -688,9 +688,7 @@ class Engine:
                 cands.append((o.blocks[m], o.tokens[m * bs : min(o.kv_len, (m + 1) * bs)]))
         best, best_n = None, 0
         for b, t in cands:
-            n, lim = 0, min(len(t), len(want))
-            while n < lim and t[n] == want[n]:
-                n += 1
+            n = common_prefix(t, want)
             if n > best_n:
                 best, best_n = b, n
         return best, best_n
@@ -700,11 +698,8 @@ class Engine:
         (in place) wins ties; otherwise cached full blocks are shared and a mid-block divergence is copied."""
         bs = self.kv.block_size
         ref = self.kv.ref
-        own = 0                 # the session's own KV always continues; prefixReuse governs the shared index
-        held = s.tokens[: s.kv_len]
-        lim = min(len(held), len(toks))
-        while own < lim and held[own] == toks[own]:
-            own += 1
+        # the session's own KV always continues; prefixReuse governs only the shared index below
+        own = common_prefix(s.tokens[: s.kv_len], toks)
         plan = _Plan(keep=own, source="session" if own else None)
         if self.config.prefix_reuse and len(toks) > 1:
             cap = len(toks) - 1    # one token always runs: its logits start the decode and no shared slot is rewritten
@@ -1444,8 +1439,9 @@ class Engine:
                           "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": self.settings.sparse_min_tokens,
                                      "max_density": self.settings.sparse_max_density,
                                      "keep_ratio": self.settings.sparse_keep_ratio,
-                                     "scope": "one chunk per prefill with >= min_tokens keys (past + new) and >= 256 new "
-                                              "tokens, fresh or after cached tokens",
+                                     "scope": (f"one chunk per prefill with >= min_tokens keys (past + new) and >= "
+                                               f"{sparse_ref.DENSE_BELOW_QUERIES} new tokens, fresh or after cached "
+                                               "tokens"),
                                      **self.sparse_stats}
                           if self.sparse else None},
             "prefix_reuse": "cross-session" if self.config.prefix_reuse else "off",
@@ -1472,7 +1468,6 @@ class Engine:
     def reuse_exactness(self) -> str:
         """'bitwise' when this engine's attention and matmuls are chunking-invariant (the CPU torch path: reused,
         branched, restored or decoded K/V are the bits a cold prefill computes; docs/reuse.md), else 'tolerance'."""
-        from .model import chunking_invariant
         if chunking_invariant(self.kv.k.device) and not self.sparse and self.settings.decode_attention != "dispatch":
             return "bitwise"
         return "tolerance"

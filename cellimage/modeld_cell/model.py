@@ -287,7 +287,7 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
     g = hq // hkv
     scale = 1.0 / math.sqrt(d)
     ks, vs = scales if scales is not None else (None, None)
-    cpu = q.device.type == "cpu" and _FLASH_CPU is not None
+    cpu = chunking_invariant(q.device)
     if meta.kind == "decode" and ks is not None and vs is not None and (not cpu or _QUANT_DECODE_DISPATCH):
         return dispatch.quant_paged_decode(q, k_cache, v_cache, ks, vs, meta.block_tables, meta.seq_lens,
                                            sm_scale=scale, check_tables=False)
