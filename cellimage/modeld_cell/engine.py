@@ -152,13 +152,15 @@ class EngineSettings:
     sparse_min_tokens: int = sparse_ref.DENSE_BELOW_TOKENS    # MODELD_SPARSE_MIN_TOKENS: shorter prefills run dense
     sparse_max_density: float = sparse_ref.DENSE_ABOVE_DENSITY  # MODELD_SPARSE_MAX_DENSITY: denser masks run dense
     sparse_keep_ratio: float = 0.1                      # MODELD_SPARSE_KEEP_RATIO: vertical-slash estimate's keep ratio
+    sparse_max_keep_tokens: int = sparse_ref.MAX_KEEP_TOKENS  # MODELD_SPARSE_MAX_KEEP_TOKENS: its cap, in tokens
 
     @classmethod
     def from_env(cls) -> EngineSettings:
         s = cls()
         for attr, env in (("threads", "MODELD_THREADS"), ("prefill_chunk", "MODELD_PREFILL_CHUNK"),
                           ("max_decode_batch", "MODELD_MAX_DECODE_BATCH"),
-                          ("sparse_min_tokens", "MODELD_SPARSE_MIN_TOKENS")):
+                          ("sparse_min_tokens", "MODELD_SPARSE_MIN_TOKENS"),
+                          ("sparse_max_keep_tokens", "MODELD_SPARSE_MAX_KEEP_TOKENS")):
             if os.environ.get(env):
                 v = int(os.environ[env])
                 if v < 1:
@@ -600,7 +602,7 @@ class Engine:
             return None, (f"chunk of {n_tokens} tokens{after}: {start + n_tokens} keys, shorter than "
                           f"{st.sparse_min_tokens}")
         return {"block_size": SPARSE_BLOCK, "keep_ratio": st.sparse_keep_ratio, "min_tokens": st.sparse_min_tokens,
-                "max_density": st.sparse_max_density}, None
+                "max_density": st.sparse_max_density, "max_keep_tokens": st.sparse_max_keep_tokens}, None
 
     def _fallback(self, att: list[dict]) -> dict | None:
         """The trace's fallback for a block-sparse cell from the prefill chunks' records (``_prefill``): None when
@@ -1439,6 +1441,7 @@ class Engine:
                           "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": self.settings.sparse_min_tokens,
                                      "max_density": self.settings.sparse_max_density,
                                      "keep_ratio": self.settings.sparse_keep_ratio,
+                                     "max_keep_tokens": self.settings.sparse_max_keep_tokens,
                                      "scope": (f"one chunk per prefill with >= min_tokens keys (past + new) and >= "
                                                f"{sparse_ref.DENSE_BELOW_QUERIES} new tokens, fresh or after cached "
                                                "tokens"),

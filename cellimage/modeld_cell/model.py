@@ -108,8 +108,9 @@ class AttnMetadata:
     seq_lens:      [B] int32, tokens in the cache per session AFTER this step (past + new)
     seq_lens_list: the same as python ints (host-side loops avoid a sync per read)
     contiguous:    per session, the first block id when its blocks are consecutive ids (zero-copy views), else None
-    sparse:        prefill only: block-sparse settings ({"block_size", "keep_ratio", "min_tokens", "max_density"})
-                   when the cell asked for block-sparse and this chunk qualifies (engine._sparse_meta); None = dense
+    sparse:        prefill only: block-sparse settings ({"block_size", "keep_ratio", "max_keep_tokens", "min_tokens",
+                   "max_density"}) when the cell asked for block-sparse and this chunk qualifies
+                   (engine._sparse_meta); None = dense
     sparse_log:    filled by paged_attention, one {"path", "density", "backend"} per layer that tried sparse
     """
 
@@ -317,7 +318,8 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
             ka = _past_float(k_cache, ks, meta, past + t, q.dtype)
             va = _past_float(v_cache, vs, meta, past + t, q.dtype)
         o, info = dispatch.sparse_prefill(q, ka, va, block_size=sp["block_size"], sm_scale=scale,
-                                          keep_ratio=sp["keep_ratio"], min_tokens=sp["min_tokens"],
+                                          keep_ratio=sp["keep_ratio"], max_keep_tokens=sp["max_keep_tokens"],
+                                          min_tokens=sp["min_tokens"],
                                           max_density=sp["max_density"], return_info=True)
         meta.sparse_log.append(info)
         return o

@@ -46,7 +46,7 @@ def test_reference_vs_naive(shape):
     q, k, v = _qkv(T, H, Hkv, D)
     mask = _random_mask(H, T, bs, drop_diagonal=True)
     want = naive_block_sparse(q, k, v, mask, bs, D**-0.5)
-    for fn in (ref.masked_dense_attention, ref.block_sparse_attention):
+    for fn in (ref.masked_dense_attention, ref.block_sparse_attention, ref.block_sparse_gather_attention):
         name = f"{shape_id(shape)} {fn.__name__}"
         assert_close(name, want, fn(q, k, v, mask, bs), 1e-5, 1e-5)
         # chunking over query blocks must not change anything
@@ -80,6 +80,43 @@ def test_estimate_structure_and_knobs():
     assert ref.block_density(m) < 1.0
     with pytest.raises(ValueError, match="keep_ratio"):
         ref.estimate_block_mask(q, k, bs, keep_ratio=0.0)
+
+
+def test_estimate_cap_bounds_kept_blocks_as_context_grows():
+    """keep_ratio is capped at max_keep_tokens per pattern kind: the vertical picks per head never exceed the cap, and
+    the kept fraction falls with the length (a fixed budget, as MInference keeps), while without the cap it does not."""
+    H, Hkv, D, bs = 2, 1, 16, 16
+    dens, uncapped = [], []
+    for T in (512, 1024, 2048):
+        q, k, _ = _qkv(T, H, Hkv, D)
+        m = ref.estimate_block_mask(q, k, bs, keep_ratio=0.1, max_keep_tokens=64, dense_last_block=False)
+        first = m[:, : -3]  # query blocks whose kept set is the sink, 2 local, <= 4 verticals and <= 4 diagonals x 2
+        assert int(first.sum(-1).max()) <= 1 + 2 + 4 + 2 * 4
+        dens.append(ref.block_density(m))
+        uncapped.append(ref.block_density(ref.estimate_block_mask(q, k, bs, keep_ratio=0.1, max_keep_tokens=None)))
+    assert dens[0] > dens[1] > dens[2], dens
+    assert min(uncapped) > dens[2] * 1.5, (uncapped, dens)
+    q, k, _ = _qkv(64, H, Hkv, D)
+    with pytest.raises(ValueError, match="max_keep_tokens"):
+        ref.estimate_block_mask(q, k, bs, max_keep_tokens=bs - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAME.get)
+def test_flash_path_matches_fp32_gather_in_half_precision(dtype):
+    """The CPU production path computes in the inputs' dtype (a bf16 cell's): within that dtype's tolerance of the
+    fp32 gather path, fresh and after an unaligned past, with heads that drop their diagonal blocks."""
+    for q0, T in ((0, 300), (77, 200)):
+        q, k, v = _qkv_past(q0, T, 9, 3, 64) if q0 else _qkv(T, 9, 3, 64)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        _, nQB, nKB = ref.block_grid(T, q0 + T, 16)
+        mask = torch.rand(9, nQB, nKB) < 0.3
+        mask[0] = False
+        mask[1, :, -1] = False
+        want = ref.block_sparse_gather_attention(q, k, v, mask, 16)
+        got = ref.block_sparse_attention(q, k, v, mask, 16, max_chunk_elems=1 << 14)
+        assert got.dtype == dtype
+        assert_close(f"{DTYPE_NAME[dtype]} q0={q0}", want.float(), got.float(), *TOL[dtype])
+        assert not got[:, 0].float().abs().sum(), "a head that keeps nothing must give zeros"
 
 
 def test_estimate_finds_planted_vertical_and_slash():
@@ -230,7 +267,7 @@ def test_reference_with_past_vs_naive(shape):
     q, k, v = _qkv_past(q0, T, H, Hkv, D)
     mask = _random_past_mask(H, T, q0 + T, bs, drop_diagonal=True)
     want = naive_with_past(q, k, v, mask, bs, D**-0.5)
-    for fn in (ref.masked_dense_attention, ref.block_sparse_attention):
+    for fn in (ref.masked_dense_attention, ref.block_sparse_attention, ref.block_sparse_gather_attention):
         name = f"{past_id(shape)} {fn.__name__}"
         assert_close(name, want, fn(q, k, v, mask, bs), 1e-5, 1e-5)
         assert_close(name + " chunked", want, fn(q, k, v, mask, bs, max_chunk_elems=1), 1e-5, 1e-5)

@@ -153,6 +153,7 @@ def sparse_prefill(
     block_size: int = 64,
     sm_scale: float | None = None,
     keep_ratio: float = 0.1,
+    max_keep_tokens: int | None = _sparse_ref.MAX_KEEP_TOKENS,
     min_tokens: int = _sparse_ref.DENSE_BELOW_TOKENS,
     max_density: float = _sparse_ref.DENSE_ABOVE_DENSITY,
     return_info: bool = False,
@@ -163,8 +164,9 @@ def sparse_prefill(
 
     With block_mask [H, nQB, nKB] (sparse_prefill/reference.py: blocks at absolute multiples of block_size, bottom-right
     aligned) the block-sparse kernel runs on exactly that mask. Without it the path is chosen: dense SDPA when
-    S < min_tokens or T < the reference's DENSE_BELOW_QUERIES; otherwise the vertical-slash estimate (keep_ratio, last
-    query block against all S keys) builds a mask and runs sparse unless its density exceeds max_density.
+    S < min_tokens or T < the reference's DENSE_BELOW_QUERIES; otherwise the vertical-slash estimate (keep_ratio,
+    capped at max_keep_tokens; last query block against all S keys) builds a mask and runs sparse unless its density
+    exceeds max_density.
     return_info adds {"path", "density", "backend"}.
     """
     backend = get_backend(q.device, force)
@@ -174,7 +176,8 @@ def sparse_prefill(
         if _sparse_ref.choose_path(T, None, min_tokens, max_density, past) == "dense":
             info["path"] = "dense"
         else:
-            block_mask = _sparse_ref.estimate_block_mask(q, k, block_size=block_size, keep_ratio=keep_ratio)
+            block_mask = _sparse_ref.estimate_block_mask(q, k, block_size=block_size, keep_ratio=keep_ratio,
+                                                        max_keep_tokens=max_keep_tokens)
             info["density"] = _sparse_ref.block_density(block_mask)
             info["path"] = _sparse_ref.choose_path(T, info["density"], min_tokens, max_density, past)
     if info["path"] == "dense":

@@ -12,8 +12,9 @@ block qb0 + r (qb0 = nKB - nQB is read off its shape); with no past it is the sq
 multiple of bs the first query block is partial: its rows before q0 are past tokens, neither computed nor written,
 and per-row causal masking handles the rest. The attention is exact for the mask: causal softmax over the kept keys
 only; key blocks right of a query block's diagonal are ignored (causality wins); a row that keeps no key returns 0.
-``masked_dense_attention`` is the obviously-correct oracle (dense cost); ``block_sparse_attention`` gathers only the
-kept blocks and is the CPU production path.
+``masked_dense_attention`` is the obviously-correct oracle (dense cost); ``block_sparse_attention`` touches only the
+kept blocks and is the CPU production path (CPU flash attention, merged by LSE); ``block_sparse_gather_attention`` is
+the portable fp32 form of it.
 
 The pattern estimate follows MInference's "vertical-slash" idea: the last query block's attention to every key
 (past included) shows which key columns (vertical) and which diagonals (slash) carry the mass; every query block
@@ -28,11 +29,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+# CPU flash attention that also returns the natural-log LSE (torch >= 2.3): block_sparse_attention's building block.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 DENSE_BELOW_TOKENS = 4096  # keys (past + new) below this: a dense flash kernel beats the sparse bookkeeping
 DENSE_ABOVE_DENSITY = 0.6  # above this fraction of causal blocks, sparse saves too little
 # New query rows below this run dense whatever the past: the estimate alone scores 64 rows against every key, a
 # quarter of the dense work at 256 rows and half of it at 128.
 DENSE_BELOW_QUERIES = 256
+# Vertical blocks and diagonals each keep at most this many tokens' worth (MInference-style fixed budgets: it keeps
+# 1,000 vertical and 6,096 slash tokens at 128k), so the kept fraction, and the work, falls as the context grows.
+# At block 64 that is 16 blocks, above keep_ratio 0.1's 13 at 8k: below ~10k tokens the ratio decides alone.
+MAX_KEEP_TOKENS = 1024
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
@@ -164,9 +172,102 @@ def block_sparse_attention(
     block_mask: torch.Tensor,
     block_size: int = 64,
     sm_scale: float | None = None,
+    max_chunk_elems: int = 1 << 24,
+) -> torch.Tensor:
+    """Block-sparse causal attention that only touches kept blocks: the CPU production path.
+
+    Built from CPU flash attention, which returns each row's natural-log LSE, in the inputs' dtype (bf16 in a bf16
+    cell, as the dense path computes): per query block, (a) its diagonal key block under a causal mask, all query
+    blocks in one batched call, and (b) its other kept key blocks, gathered per (head, query block) and padded per
+    chunk with masked slots, unmasked otherwise; then (a) and (b) merge exactly by their LSEs. The work is the kept
+    blocks plus padding (chunks group query blocks of similar kept counts). Same contract as masked_dense_attention:
+    exact for the mask (a dropped diagonal block is dropped too), rows with no kept key are 0. Without CPU flash
+    attention (torch < 2.3) or off the CPU it is block_sparse_gather_attention.
+
+    Args:
+        q: [T, H, D] float at positions S-T..S-1; k, v: [S, Hkv, D] same dtype.
+        block_mask: [H, nQB, nKB] bool (module docstring); entries right of the diagonal are ignored.
+        max_chunk_elems: bound on the gathered K elements per call (query blocks are chunked).
+    Returns:
+        out [T, H, D] in q.dtype.
+    """
+    T, H, Hkv, D = check_qkv(q, k, v)
+    S = k.shape[0]
+    nQB = check_block_mask(block_mask, H, T, block_size, S)
+    if _FLASH_CPU is None or q.device.type != "cpu":
+        return block_sparse_gather_attention(q, k, v, block_mask, block_size, sm_scale)
+    if T == 0:
+        return torch.empty_like(q)
+    G, bs, dt, dev = H // Hkv, block_size, q.dtype, q.device
+    scale = D**-0.5 if sm_scale is None else float(sm_scale)
+    qb0, _, nKB = block_grid(T, S, bs)
+    lead = S - T - qb0 * bs  # past rows in the first query block (0 when q0 is a multiple of bs)
+    # [T, H, D] -> [nQB, H, bs, D]; [S, Hkv, D] -> [Hkv, nKB, bs, D], zero-padded to whole blocks
+    qb = F.pad(q, (0, 0, 0, 0, lead, nQB * bs - lead - T)).reshape(nQB, bs, H, D).transpose(1, 2).contiguous()
+    kb = F.pad(k, (0, 0, 0, 0, 0, nKB * bs - S)).reshape(nKB, bs, Hkv, D).permute(2, 0, 1, 3).contiguous()
+    vb = F.pad(v, (0, 0, 0, 0, 0, nKB * bs - S)).reshape(nKB, bs, Hkv, D).permute(2, 0, 1, 3).contiguous()
+    keep = block_mask & _causal_blocks(nQB, nKB, dev)
+    rows = torch.arange(nQB, device=dev)
+    has_diag = keep[:, rows, qb0 + rows].t()  # [nQB, H]
+    keep[:, rows, qb0 + rows] = False  # what is left lies strictly before each query block: no causal mask needed
+
+    # (a) diagonal blocks, every query block at once; a KV head's G query heads stacked along the rows
+    causal = torch.ones(bs, bs, dtype=torch.bool, device=dev).tril()
+    dmask = torch.zeros(bs, bs, dtype=dt, device=dev).masked_fill_(~causal, -math.inf).repeat(G, 1)[None, None]
+    o1, l1 = _FLASH_CPU(qb.view(nQB, Hkv, G * bs, D), kb[:, qb0:].transpose(0, 1), vb[:, qb0:].transpose(0, 1),
+                        attn_mask=dmask, scale=scale)[:2]  # fmt: skip
+    o1, l1 = o1.reshape(nQB, H, bs, D), l1.reshape(nQB, H, bs).masked_fill(~has_diag[..., None], -math.inf)
+
+    # (b) the other kept blocks: gathered per (head, query block), chunks of query blocks with similar counts
+    kv_idx, kv_cnt = mask_to_kv_indices(keep)
+    kv_idx, kv_cnt = kv_idx.long().transpose(0, 1), kv_cnt.long().t()  # [nQB, H, K], [nQB, H]
+    flat = kv_idx + (torch.arange(H, device=dev) // G * nKB)[None, :, None]  # row of kb.view(Hkv * nKB, ...)
+    kflat, vflat = kb.view(Hkv * nKB, bs * D), vb.view(Hkv * nKB, bs * D)
+    out = torch.empty(nQB, H, bs, D, dtype=dt, device=dev)
+    most = kv_cnt.amax(1)  # [nQB] the largest count over heads: a query block's padded width
+    order = torch.sort(most, stable=True).indices.tolist()
+    most_l = most.tolist()
+    i = 0
+    while i < len(order):
+        j, K = i + 1, max(most_l[order[i]], 1)
+        while j < len(order) and (j - i + 1) * H * max(K, most_l[order[j]]) * bs * D <= max_chunk_elems:
+            K = max(K, most_l[order[j]])
+            j += 1
+        sel = torch.tensor(order[i:j], device=dev)
+        i = j
+        o1c, l1c = o1[sel], l1[sel]
+        if most_l[int(sel[-1])] == 0:  # nothing off the diagonal
+            out[sel] = torch.where(torch.isfinite(l1c)[..., None], o1c, 0.0).to(dt)
+            continue
+        cnt = kv_cnt[sel]  # [C, H]
+        pad = torch.arange(K, device=dev) >= cnt[..., None]  # [C, H, K] padding slots
+        rows_k = flat[sel, :, :K].masked_fill(pad, 0).flatten()
+        kg = kflat.index_select(0, rows_k).view(len(sel), H, K * bs, D)
+        vg = vflat.index_select(0, rows_k).view(len(sel), H, K * bs, D)
+        pm = torch.zeros(pad.shape, dtype=dt, device=dev).masked_fill_(pad, -math.inf)
+        pm = pm.repeat_interleave(bs, -1)[:, :, None].expand(-1, -1, bs, -1)  # [C, H, bs (broadcast), K*bs]
+        o2, l2 = _FLASH_CPU(qb[sel], kg, vg, attn_mask=pm, scale=scale)[:2]
+        l2 = l2.masked_fill((cnt == 0)[..., None], -math.inf)  # flash gives LSE 0 for a fully masked row
+        m = torch.maximum(l1c, l2)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w1, w2 = torch.exp(l1c - m), torch.exp(l2 - m)  # exp(-inf) = 0: an empty part weighs nothing
+        den = w1 + w2
+        o = (o1c.float() * w1[..., None] + o2.float() * w2[..., None]) / torch.where(den > 0, den, 1.0)[..., None]
+        out[sel] = o.to(dt)
+    return out.transpose(1, 2).reshape(nQB * bs, H, D)[lead : lead + T]
+
+
+def block_sparse_gather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor,
+    block_size: int = 64,
+    sm_scale: float | None = None,
     max_chunk_elems: int = 1 << 21,
 ) -> torch.Tensor:
-    """Block-sparse causal attention that only touches kept blocks (the CPU production path), fp32 math.
+    """Block-sparse causal attention that only touches kept blocks, fp32 math: the portable path (any device, any
+    torch) and block_sparse_attention's fallback where CPU flash attention is missing.
 
     Each query block gathers its kept key blocks (padded to the chunk's largest count and masked), so the work is
     proportional to the kept blocks. Small chunks (the default 2M elements, measured on a 2-core CPU) keep the
@@ -245,13 +346,14 @@ def estimate_block_mask(
     last_q: int | None = None,
     sm_scale: float | None = None,
     dense_last_block: bool = True,
+    max_keep_tokens: int | None = MAX_KEEP_TOKENS,
 ) -> torch.Tensor:
     """Cheap online vertical-slash block pattern from the last queries' attention to every key, past included.
 
     Args:
         q: [T, H, D] at positions S-T..S-1; k: [S, Hkv, D].
-        keep_ratio: fraction of the nKB key blocks chosen as vertical blocks and as diagonal offsets (each);
-            vertical_topk / slash_topk override the counts.
+        keep_ratio: fraction of the nKB key blocks chosen as vertical blocks and as diagonal offsets (each), at most
+            ``max_keep_tokens // block_size`` of each (None: no cap); vertical_topk / slash_topk override the counts.
         local_blocks: most recent key blocks always kept per query block (the diagonal counts as one).
         last_q: how many final query rows to score (default block_size).
         dense_last_block: the last query block keeps every key block. It is one row of the grid (at most 2/nQB of
@@ -277,8 +379,13 @@ def estimate_block_mask(
     if T == 0:
         return torch.zeros(H, 0, nKB, dtype=torch.bool, device=dev)
     scale = D**-0.5 if sm_scale is None else float(sm_scale)
-    n_v = vertical_topk if vertical_topk is not None else max(1, math.ceil(keep_ratio * nKB))
-    n_s = slash_topk if slash_topk is not None else max(1, math.ceil(keep_ratio * nKB))
+    if max_keep_tokens is not None and max_keep_tokens < block_size:
+        raise ValueError(f"max_keep_tokens must be at least block_size={block_size}, got {max_keep_tokens}")
+    n_keep = max(1, math.ceil(keep_ratio * nKB))
+    if max_keep_tokens is not None:
+        n_keep = min(n_keep, max_keep_tokens // block_size)
+    n_v = vertical_topk if vertical_topk is not None else n_keep
+    n_s = slash_topk if slash_topk is not None else n_keep
     Lq = min(last_q or block_size, T)
     qpos = torch.arange(S - Lq, S, device=dev)  # absolute positions of the scored queries [Lq]
     kpos = torch.arange(S, device=dev)
