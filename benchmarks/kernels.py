@@ -164,7 +164,8 @@ def _int_list(text: str) -> list[int]:
 
 def bench_sparse(r: Runner, use_triton: bool) -> None:
     dev, cuda = r.device, r.device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    # the CPU interpreter runs the triton kernel in fp32 (it cannot run every bf16 op)
+    dtype = torch.bfloat16 if cuda else torch.float32 if use_triton else getattr(torch, r.args.cpu_sparse_dtype)
     H, Hkv, D, bs = (32, 8, 128, 64) if cuda else (9, 3, 64, 64)
     if r.args.sparse_lengths is not None:
         lengths = _int_list(r.args.sparse_lengths)
@@ -267,7 +268,11 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="CUDA: 32k only")
     p.add_argument("--only", default="decode,sparse,merge", help="comma list of decode, sparse, merge")
     p.add_argument("--interpret", action="store_true", help="CPU: also run triton under TRITON_INTERPRET=1")
-    p.add_argument("--keep-ratio", type=float, default=0.05, help="vertical-slash keep_ratio for sparse prefill")
+    p.add_argument("--keep-ratio", type=float, default=0.1,
+                   help="vertical-slash keep_ratio for sparse prefill (the worker's default; capped at the "
+                        "reference's MAX_KEEP_TOKENS)")
+    p.add_argument("--cpu-sparse-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="CPU sparse prefill dtype (a bf16 cell computes in bf16)")
     p.add_argument("--sparse-lengths", default=None, help="fresh prefill lengths, comma list (default by device)")
     p.add_argument(
         "--sparse-past",
