@@ -166,6 +166,9 @@ class EngineSettings:
                 if v < 1:
                     raise ValueError(f"{env} must be >= 1, got {v}")
                 setattr(s, attr, v)
+        if s.sparse_max_keep_tokens < SPARSE_BLOCK:
+            raise ValueError(f"MODELD_SPARSE_MAX_KEEP_TOKENS must be >= the sparse block size {SPARSE_BLOCK}, got "
+                             f"{s.sparse_max_keep_tokens}")
         for attr, env in (("sparse_max_density", "MODELD_SPARSE_MAX_DENSITY"),
                           ("sparse_keep_ratio", "MODELD_SPARSE_KEEP_RATIO")):
             if os.environ.get(env):

@@ -198,6 +198,21 @@ async def test_block_sparse_short_prompt_reports_dense_fallback(make_engine):
     assert tr.fallback["ran"] == "dense" and "cached tokens" in tr.fallback["reason"]
 
 
+def test_sparse_keep_cap_setting(monkeypatch, make_engine):
+    """MODELD_SPARSE_MAX_KEEP_TOKENS reaches the estimate through the chunk's sparse settings; a cap below one
+    64-token block is refused when the settings are read, not at the first long prefill."""
+    monkeypatch.setenv("MODELD_SPARSE_MAX_KEEP_TOKENS", "2048")
+    st = EngineSettings.from_env()
+    assert st.sparse_max_keep_tokens == 2048
+    e = make_engine(profile=SPARSE_PROFILE, settings=st)
+    meta, reason = e._sparse_meta(5000, 0)
+    assert reason is None and meta["max_keep_tokens"] == 2048
+    assert e.capability()["attention"]["sparse"]["max_keep_tokens"] == 2048
+    monkeypatch.setenv("MODELD_SPARSE_MAX_KEEP_TOKENS", "32")
+    with pytest.raises(ValueError, match="MODELD_SPARSE_MAX_KEEP_TOKENS must be >= the sparse block size 64"):
+        EngineSettings.from_env()
+
+
 async def test_block_sparse_forced_matches_dense(engine, make_engine):
     """MODELD_SPARSE_MIN_TOKENS lowered (and no density cut-off): a 287-token prompt runs block-sparse in every layer
     and stays within the block-sparse thresholds of the dense engine. At 5 blocks little is skipped; skipping is checked
