@@ -5,7 +5,9 @@ For each --contexts length, side by side in one run (dense first, then sparse, p
   * time to first output: ensure_prefix of the whole prompt plus the first greedy token, for the dense cell (the
     production path: 512-token chunks, segmented flash) and the block-sparse cell (one chunk, vertical-slash
     estimate per layer at the worker's defaults, block-sparse flash attention),
-  * the sparse run's layers that ran sparse, mean block density,
+  * the sparse run's layers that ran sparse, mean block density, and the seconds spent in
+    ``kernels.dispatch.sparse_prefill`` (estimate + sparse attention, all layers; the rest is the projection and MLP
+    work both cells do),
   * next-token KL (dense || sparse) at the prompt end and greedy agreement of --gen tokens.
 Lengths above the model's 8,192 trained positions run with linear RoPE scaling (factor length / 8192) in both
 cells: that is for timing only, the issue judges quality at up to 8k; their KL and agreement are printed but are
@@ -29,6 +31,7 @@ import time
 
 import torch
 
+from modeld_cell import model as model_mod
 from modeld_cell.engine import CellConfig, Engine, EngineSettings, SamplingParams
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 
@@ -88,6 +91,22 @@ async def first_output(eng: Engine, sid: str, ids: list[int], gen: int) -> tuple
     return ttft, out, logits
 
 
+class AttentionClock:
+    """Wraps the model's ``dispatch.sparse_prefill`` to add up the seconds spent in it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._inner = model_mod.dispatch.sparse_prefill
+        model_mod.dispatch.sparse_prefill = self  # type: ignore[assignment]
+
+    def __call__(self, *a, **kw):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return self._inner(*a, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
 def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
     return float((lp.exp() * (lp - lq)).sum())
@@ -110,6 +129,7 @@ async def main() -> None:
     dense, sparse = cell(base, "dense", tier), cell(base, "block-sparse", tier)
     corpus = corpus_ids(base, max(lengths))
     st = sparse.settings
+    clock = AttentionClock()
     out: dict = {"meta": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                           "python": sys.version.split()[0], "machine": platform.machine(),
                           "loadavg_1m_start": os.getloadavg()[0],
@@ -125,12 +145,14 @@ async def main() -> None:
         factor = set_rope(base, n, trained, original)
         ids = corpus[:n]
         d_s, d_ids, d_logits = await first_output(dense, f"d{n}", ids, args.gen)
+        clock.seconds = 0.0
         s_s, s_ids, s_logits = await first_output(sparse, f"s{n}", ids, args.gen)
+        attn_s = clock.seconds
         last = sparse.capability()["attention"]["sparse"]["last_chunk"]
         dens = last["densities"]
         row = {"tokens": n, "rope_linear_factor": factor, "quality_judged": factor == 1.0,
                "dense_first_output_s": round(d_s, 2), "sparse_first_output_s": round(s_s, 2),
-               "speedup": round(d_s / s_s, 2),
+               "speedup": round(d_s / s_s, 2), "sparse_attention_s": round(attn_s, 2),
                "sparse_layers": f"{last['sparse_layers']}/{last['layers']}",
                "density_mean": round(sum(dens) / len(dens), 3) if dens else None,
                "next_token_kl": round(kl(d_logits, s_logits), 5),
