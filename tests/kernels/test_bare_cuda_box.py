@@ -47,7 +47,7 @@ def test_kernels_and_benchmark_import_only_torch_and_triton(tmp_path):
     mods = ["modeld_cell.kernels.dispatch"] + [f"modeld_cell.kernels.{f}.{m}" for f in
                                                 ("merge", "paged_decode", "quant_kv", "sparse_prefill")
                                                 for m in ("reference", "triton")]  # fmt: skip
-    r = _run(tmp_path, "-c", "import importlib\nfor m in %r: importlib.import_module(m)" % mods)
+    r = _run(tmp_path, "-c", f"import importlib\nfor m in {mods!r}: importlib.import_module(m)")
     assert r.returncode == 0, r.stderr
     out = tmp_path / "kernels.json"
     r = _run(tmp_path, "benchmarks/kernels.py", "--out", str(out), "--sparse-lengths", "256", "--sparse-past", "",
