@@ -178,16 +178,16 @@ def block_sparse_attention(
 
     Built from CPU flash attention, which returns each row's natural-log LSE, in the inputs' dtype (bf16 in a bf16
     cell, as the dense path computes): per query block, (a) its diagonal key block under a causal mask, all query
-    blocks in one batched call, and (b) its other kept key blocks, gathered per (head, query block) and padded per
-    chunk with masked slots, unmasked otherwise; then (a) and (b) merge exactly by their LSEs. The work is the kept
-    blocks plus padding (chunks group query blocks of similar kept counts). Same contract as masked_dense_attention:
-    exact for the mask (a dropped diagonal block is dropped too), rows with no kept key are 0. Without CPU flash
-    attention (torch < 2.3) or off the CPU it is block_sparse_gather_attention.
+    blocks in one batched call, and (b) its other kept key blocks, gathered per (query block, head) pair, pairs
+    sorted by kept count and chunked, padding slots masked; then (a) and (b) merge exactly by their LSEs. The work
+    is the kept blocks plus a little padding. Same contract as masked_dense_attention: exact for the mask (a dropped
+    diagonal block is dropped too), rows with no kept key are 0. Without CPU flash attention (torch < 2.3) or off the
+    CPU it is block_sparse_gather_attention.
 
     Args:
         q: [T, H, D] float at positions S-T..S-1; k, v: [S, Hkv, D] same dtype.
         block_mask: [H, nQB, nKB] bool (module docstring); entries right of the diagonal are ignored.
-        max_chunk_elems: bound on the gathered K elements per call (query blocks are chunked).
+        max_chunk_elems: bound on the gathered K elements per call ((query block, head) pairs are chunked).
     Returns:
         out [T, H, D] in q.dtype.
     """
@@ -216,45 +216,45 @@ def block_sparse_attention(
     dmask = torch.zeros(bs, bs, dtype=dt, device=dev).masked_fill_(~causal, -math.inf).repeat(G, 1)[None, None]
     o1, l1 = _FLASH_CPU(qb.view(nQB, Hkv, G * bs, D), kb[:, qb0:].transpose(0, 1), vb[:, qb0:].transpose(0, 1),
                         attn_mask=dmask, scale=scale)[:2]  # fmt: skip
-    o1, l1 = o1.reshape(nQB, H, bs, D), l1.reshape(nQB, H, bs).masked_fill(~has_diag[..., None], -math.inf)
+    P = nQB * H  # (query block, head) pairs, query-block major
+    o1, l1 = o1.reshape(P, bs, D), l1.reshape(P, bs).masked_fill(~has_diag.reshape(P, 1), -math.inf)
+    out = torch.where(torch.isfinite(l1)[..., None], o1, 0.0).to(dt)  # pairs with nothing off the diagonal
 
-    # (b) the other kept blocks: gathered per (head, query block), chunks of query blocks with similar counts
+    # (b) the other kept blocks, gathered per (query block, head) pair; pairs sorted by kept count and cut into
+    # chunks, so a chunk pads each pair only to its widest neighbour (padding slots are masked)
     kv_idx, kv_cnt = mask_to_kv_indices(keep)
     kv_idx, kv_cnt = kv_idx.long().transpose(0, 1), kv_cnt.long().t()  # [nQB, H, K], [nQB, H]
-    flat = kv_idx + (torch.arange(H, device=dev) // G * nKB)[None, :, None]  # row of kb.view(Hkv * nKB, ...)
+    flat = (kv_idx + (torch.arange(H, device=dev) // G * nKB)[None, :, None]).reshape(P, -1)  # rows of kflat
+    cnt_all = kv_cnt.reshape(P)
     kflat, vflat = kb.view(Hkv * nKB, bs * D), vb.view(Hkv * nKB, bs * D)
-    out = torch.empty(nQB, H, bs, D, dtype=dt, device=dev)
-    most = kv_cnt.amax(1)  # [nQB] the largest count over heads: a query block's padded width
-    order = torch.sort(most, stable=True).indices.tolist()
-    most_l = most.tolist()
-    i = 0
-    while i < len(order):
-        j, K = i + 1, max(most_l[order[i]], 1)
-        while j < len(order) and (j - i + 1) * H * max(K, most_l[order[j]]) * bs * D <= max_chunk_elems:
-            K = max(K, most_l[order[j]])
+    qp = qb.view(P, 1, bs, D)
+    counts, order = torch.sort(cnt_all, stable=True)
+    counts_l = counts.tolist()
+    i = next((n for n, c in enumerate(counts_l) if c > 0), P)
+    while i < P:
+        j = i + 1
+        while j < P and (j - i + 1) * counts_l[j] * bs * D <= max_chunk_elems:
             j += 1
-        sel = torch.tensor(order[i:j], device=dev)
+        K = counts_l[j - 1]  # the chunk's widest pair (ascending order)
+        sel = order[i:j]
         i = j
+        cnt = cnt_all[sel]  # [C]
+        pad = torch.arange(K, device=dev) >= cnt[:, None]  # [C, K] padding slots
+        rows_k = flat[sel, :K].masked_fill(pad, 0).flatten()
+        kg = kflat.index_select(0, rows_k).view(len(sel), 1, K * bs, D)
+        vg = vflat.index_select(0, rows_k).view(len(sel), 1, K * bs, D)
+        pm = None
+        if bool(pad.any()):
+            pm = torch.zeros(pad.shape, dtype=dt, device=dev).masked_fill_(pad, -math.inf)
+            pm = pm.repeat_interleave(bs, -1)[:, None, None].expand(-1, 1, bs, -1)  # [C, 1, bs (broadcast), K*bs]
+        o2, l2 = _FLASH_CPU(qp[sel], kg, vg, attn_mask=pm, scale=scale)[:2]
+        o2, l2 = o2[:, 0], l2[:, 0]  # every pair here keeps at least one block: its LSE is real
         o1c, l1c = o1[sel], l1[sel]
-        if most_l[int(sel[-1])] == 0:  # nothing off the diagonal
-            out[sel] = torch.where(torch.isfinite(l1c)[..., None], o1c, 0.0).to(dt)
-            continue
-        cnt = kv_cnt[sel]  # [C, H]
-        pad = torch.arange(K, device=dev) >= cnt[..., None]  # [C, H, K] padding slots
-        rows_k = flat[sel, :, :K].masked_fill(pad, 0).flatten()
-        kg = kflat.index_select(0, rows_k).view(len(sel), H, K * bs, D)
-        vg = vflat.index_select(0, rows_k).view(len(sel), H, K * bs, D)
-        pm = torch.zeros(pad.shape, dtype=dt, device=dev).masked_fill_(pad, -math.inf)
-        pm = pm.repeat_interleave(bs, -1)[:, :, None].expand(-1, -1, bs, -1)  # [C, H, bs (broadcast), K*bs]
-        o2, l2 = _FLASH_CPU(qb[sel], kg, vg, attn_mask=pm, scale=scale)[:2]
-        l2 = l2.masked_fill((cnt == 0)[..., None], -math.inf)  # flash gives LSE 0 for a fully masked row
         m = torch.maximum(l1c, l2)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        w1, w2 = torch.exp(l1c - m), torch.exp(l2 - m)  # exp(-inf) = 0: an empty part weighs nothing
-        den = w1 + w2
-        o = (o1c.float() * w1[..., None] + o2.float() * w2[..., None]) / torch.where(den > 0, den, 1.0)[..., None]
+        w1, w2 = torch.exp(l1c - m), torch.exp(l2 - m)  # exp(-inf) = 0: a dropped diagonal weighs nothing
+        o = (o1c.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
         out[sel] = o.to(dt)
-    return out.transpose(1, 2).reshape(nQB * bs, H, D)[lead : lead + T]
+    return out.view(nQB, H, bs, D).transpose(1, 2).reshape(nQB * bs, H, D)[lead : lead + T]
 
 
 def block_sparse_gather_attention(
