@@ -29,6 +29,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from modeld_cell.kernels.merge.reference import merge_states
+
 # CPU flash attention that also returns the natural-log LSE (torch >= 2.3): block_sparse_attention's building block.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -248,12 +250,8 @@ def block_sparse_attention(
             pm = torch.zeros(pad.shape, dtype=dt, device=dev).masked_fill_(pad, -math.inf)
             pm = pm.repeat_interleave(bs, -1)[:, None, None].expand(-1, 1, bs, -1)  # [C, 1, bs (broadcast), K*bs]
         o2, l2 = _FLASH_CPU(qp[sel], kg, vg, attn_mask=pm, scale=scale)[:2]
-        o2, l2 = o2[:, 0], l2[:, 0]  # every pair here keeps at least one block: its LSE is real
-        o1c, l1c = o1[sel], l1[sel]
-        m = torch.maximum(l1c, l2)
-        w1, w2 = torch.exp(l1c - m), torch.exp(l2 - m)  # exp(-inf) = 0: a dropped diagonal weighs nothing
-        o = (o1c.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
-        out[sel] = o.to(dt)
+        # every pair here keeps at least one block, so its LSE is real; a dropped diagonal (LSE -inf) weighs nothing
+        out[sel] = merge_states(o1[sel], l1[sel], o2[:, 0], l2[:, 0])[0]
     return out.view(nQB, H, bs, D).transpose(1, 2).reshape(nQB * bs, H, D)[lead : lead + T]
 
 
