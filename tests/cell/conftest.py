@@ -36,23 +36,31 @@ def engine(smollm2_path: str) -> Engine:
     eng.shutdown()
 
 
-@pytest.fixture
-def make_engine(engine: Engine):
-    """A second engine sharing the loaded weights, with its own KV pool (kv_mib) / settings / identity."""
-    made: list[Engine] = []
+def engine_factory(base: Engine, spec: dict, made: list[Engine]):
+    """make(kv_mib, kv, identity, settings, **spec_over) -> an engine sharing base's loaded weights, with its own KV
+    pool (kv_mib MiB of format kv, default spec's), settings and identity, its cell spec ``spec`` with spec_over on
+    top. Each engine is appended to ``made`` for the fixture to shut down."""
 
-    def make(kv_mib: int = 64, kv: str = "fp32", identity: dict | None = None,
+    def make(kv_mib: int = 64, kv: str | None = None, identity: dict | None = None,
              settings: EngineSettings | None = None, **spec_over) -> Engine:
-        spec = {**SPEC, "kvMemoryMiB": kv_mib, "profile": {**SPEC["profile"], "kv": kv}, **spec_over}
-        cfg = CellConfig.from_spec(spec)
-        a = engine.model.args
+        kv = kv or spec["profile"]["kv"]
+        cfg = CellConfig.from_spec({**spec, "kvMemoryMiB": kv_mib, "profile": {**spec["profile"], "kv": kv},
+                                    **spec_over})
+        a = base.model.args
         cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(kv), kv_mib << 20)
-        ident = dict(engine.identity, kv_dtype=kv, **(identity or {}))
-        e = Engine(engine.model, engine.tokenizer, cache, cfg, ident,
+        ident = dict(base.identity, kv_dtype=kv, **(identity or {}))
+        e = Engine(base.model, base.tokenizer, cache, cfg, ident,
                    settings or EngineSettings(threads=torch.get_num_threads()))
         made.append(e)
         return e
 
-    yield make
+    return make
+
+
+@pytest.fixture
+def make_engine(engine: Engine):
+    """A second engine sharing the loaded weights, with its own KV pool (kv_mib) / settings / identity."""
+    made: list[Engine] = []
+    yield engine_factory(engine, SPEC, made)
     for e in made:
         e.shutdown()

@@ -14,11 +14,10 @@ import asyncio
 import pytest
 import torch
 
-from modeld_cell.engine import CellConfig, Engine, EngineSettings
-from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.engine import Engine, EngineSettings
 
 from .cellutil import generate
-from .conftest import SPEC
+from .conftest import SPEC, engine_factory
 
 pytestmark = pytest.mark.cell
 
@@ -38,19 +37,13 @@ def bf16(smollm2_path: str) -> Engine:
 def sibling(bf16: Engine):
     """Engines over the bf16 weights with their own KV pool, prefill chunk size and KV format."""
     made: list[Engine] = []
+    make = engine_factory(bf16, bf16.config.raw, made)
 
-    def make(chunk: int = 512, kv: str = "bf16", prefix_reuse: bool = True) -> Engine:
-        spec = {**bf16.config.raw, "kvMemoryMiB": 64,
-                "profile": {**bf16.config.raw["profile"], "kv": kv, "prefixReuse": prefix_reuse}}
-        cfg = CellConfig.from_spec(spec)
-        a = bf16.model.args
-        cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), 64 << 20)
-        e = Engine(bf16.model, bf16.tokenizer, cache, cfg, dict(bf16.identity, kv_dtype=cfg.kv),
-                   EngineSettings(threads=torch.get_num_threads(), prefill_chunk=chunk))
-        made.append(e)
-        return e
+    def sib(chunk: int = 512, kv: str = "bf16", prefix_reuse: bool = True) -> Engine:
+        return make(kv=kv, settings=EngineSettings(threads=torch.get_num_threads(), prefill_chunk=chunk),
+                    profile={**bf16.config.raw["profile"], "kv": kv, "prefixReuse": prefix_reuse})
 
-    yield make
+    yield sib
     for e in made:
         e.shutdown()
 
