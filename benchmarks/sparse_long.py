@@ -30,9 +30,11 @@ import sys
 import time
 
 import torch
+from profiles_cpu import kl
 
 from modeld_cell import model as model_mod
 from modeld_cell.engine import CellConfig, Engine, EngineSettings, SamplingParams
+from modeld_cell.kernels.quant_kv import reference as quant_ref
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 
 SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
@@ -58,7 +60,7 @@ def cell(base: Engine, attention: str, tier: int) -> Engine:
     cfg = CellConfig.from_spec(spec)
     a = base.model.args
     fmt = kv_format(cfg.kv)
-    per_token = a.n_layers * a.n_kv_heads * a.head_dim * 2 * 2  # bf16 K and V
+    per_token = quant_ref.bytes_per_token(fmt.quant or fmt.name, a.n_layers, a.n_kv_heads, a.head_dim)
     budget = (tier + 256) * per_token + (64 << 20)
     cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, fmt, budget)
     return Engine(base.model, base.tokenizer, cache, cfg, dict(base.identity), EngineSettings.from_env())
@@ -105,11 +107,6 @@ class AttentionClock:
             return self._inner(*a, **kw)
         finally:
             self.seconds += time.perf_counter() - t
-
-
-def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
-    return float((lp.exp() * (lp - lq)).sum())
 
 
 async def main() -> None:
