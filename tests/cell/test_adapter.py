@@ -138,7 +138,9 @@ def test_merge_computes_in_fp32_and_keeps_the_dtype(tmp_path):
     pairs = {(1, "k_proj"): (torch.randn(2, 32, generator=g), torch.randn(16, 2, generator=g)),
              (1, "up_proj"): (torch.randn(2, 32, generator=g), torch.randn(48, 2, generator=g))}
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    desc = lora.apply_adapter(model, str(write_adapter(tmp_path / "tiny", pairs, rank=2, use_rslora=True)))
+    adapter = lora.load_adapter(str(write_adapter(tmp_path / "tiny", pairs, rank=2, use_rslora=True)), model.args)
+    lora.merge(model, adapter)
+    desc = adapter.describe()
     scale = ALPHA / 2**0.5
     assert desc["scale"] == scale and desc["targets"] == ["k_proj", "up_proj"] and desc["layers"] == [1]
     after = model.state_dict()

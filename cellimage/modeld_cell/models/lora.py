@@ -215,9 +215,3 @@ def merge(model: Transformer, adapter: LoraAdapter) -> None:
         merged[row : row + fout].add_(delta, alpha=adapter.scale)
         w.data = merged.to(w.dtype)
 
-
-def apply_adapter(model: Transformer, ref: str) -> dict[str, Any]:
-    """Load ``ref``, check it fits ``model``, merge it. Returns ``LoraAdapter.describe()``."""
-    adapter = load_adapter(ref, model.args)
-    merge(model, adapter)
-    return adapter.describe()
