@@ -2,11 +2,11 @@
 
 Measures
   * KV capacity per precision (fp32, bf16, int8, fp8-e4m3, int4): bytes/token (fp16 scales included) and tokens
-    that fit at --kv-mib, and whether the worker offers the format (``kv_cache.UNSERVED_KV_FORMATS``),
+    that fit at --kv-mib, (whether a lossy format is served is the worker's own measurement at start, profile_gate.py),
   * decode ms/token after a --decode-ctx prefill per precision (median of --decode-tokens steps),
   * ``modeld_cell.quality.quality_smoke`` of int8 / fp8-e4m3 / int4 against the fp32-KV dense engine, and of
     block-sparse forced on a short passkey prompt (min tokens 64, no density cut-off), with the PROFILE_THRESHOLDS
-    verdict (int4 is measured although the worker refuses it: the measurement is the reason),
+    verdict on this machine,
   * block-sparse at the default settings on real text at --sparse-contexts tokens: prefill time dense vs sparse,
     mean block density, next-token KL at the prompt end and greedy agreement of 16 generated tokens.
 Writes JSON (--out) and prints it. --sections and --kv run a subset (the 2-core CI box takes minutes per smoke);
@@ -32,9 +32,8 @@ import time
 import torch
 
 from modeld_cell import quality
-from modeld_cell.engine import CellConfig, Engine, EngineSettings, SamplingParams
+from modeld_cell.engine import Engine, EngineSettings, SamplingParams
 from modeld_cell.kernels.quant_kv import reference as quant_ref
-from modeld_cell.kv_cache import UNSERVED_KV_FORMATS, PagedKVCache, kv_format
 
 SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
         "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
@@ -43,17 +42,10 @@ SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format"
 
 def engine_like(base: Engine, kv: str = "fp32", attention: str = "dense", kv_mib: int = 512,
                 **settings: object) -> Engine:
-    """A second engine on base's weights with its own KV pool, profile and settings. A format the worker does not
-    offer (int4) is built directly, bypassing the spec parser that refuses it, so that it can be measured."""
-    served = kv not in UNSERVED_KV_FORMATS
-    spec = {**SPEC, "kvMemoryMiB": kv_mib,
-            "profile": {**SPEC["profile"], "kv": kv if served else "fp32", "attention": attention}}
-    cfg = CellConfig.from_spec(spec)
-    cfg.kv = kv_format(kv, served_only=False).name
-    a = base.model.args
-    cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv, served_only=False), kv_mib << 20)
+    """A second engine on base's weights with its own KV pool, profile and settings (no quality gate: this script
+    measures what the gate would decide)."""
     st = EngineSettings(threads=torch.get_num_threads(), **settings)  # type: ignore[arg-type]
-    return Engine(base.model, base.tokenizer, cache, cfg, dict(base.identity, kv_dtype=cfg.kv), st)
+    return base.sibling(kv=kv, attention=attention, kv_mib=kv_mib, settings=st)
 
 
 def corpus_ids(eng: Engine) -> list[int]:
@@ -107,8 +99,7 @@ async def main() -> None:
         e = engine_like(base, kv, kv_mib=args.kv_mib)
         c = e.capability()["kv"]
         out["capacity"][kv] = {"bytes_per_token": c["bytes_per_token"], "kv_mib": args.kv_mib,
-                               "max_tokens_in_budget": c["max_tokens_in_budget"], "scales": c["scales"],
-                               "offered": kv not in UNSERVED_KV_FORMATS}
+                               "max_tokens_in_budget": c["max_tokens_in_budget"], "scales": c["scales"]}
         await e.ensure_prefix("d", ids[: args.decode_ctx])
         _, per = await greedy(e, "d", args.decode_tokens)
         out["decode"][kv] = {"context": args.decode_ctx, "ms_per_token_median": round(statistics.median(per), 2)}

@@ -96,7 +96,8 @@ def build_engine(spec: dict[str, Any], settings: Settings) -> Any:
     engine_settings = EngineSettings.from_env()
     if settings.threads:
         engine_settings.threads = settings.threads  # MODELD_THREADS wins over the engine's MODELD_TORCH_THREADS
-    return Engine.from_cell(spec, model_path=settings.model_path, settings=engine_settings)
+    return Engine.from_cell(spec, model_path=settings.model_path, settings=engine_settings,
+                            quality_cache=settings.cache_dir)
 
 
 async def serve(settings: Settings, spec: dict[str, Any]) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -49,9 +50,9 @@ SNAPSHOT_MAGIC = b"MODELD-SNAPSHOT\x00"   # 16 bytes
 SNAPSHOT_VERSION = 2                      # v2: full cache identity, typed payload table (docs/reuse.md)
 SUPPORTED_ATTENTION = ("dense",)
 SPARSE_ATTENTION = ("block-sparse", "sparse", "vertical-slash", "minference")
+DEFAULT_QUALITY_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "modeld")  # profile_gate's <cache>/quality
 SPARSE_BLOCK = 64                         # block-sparse prefill: tokens per query/key block (the kernels' default)
 UNSUPPORTED_MODES = [
-    "kv: int4 (the cache stores it, but it fails its quality smoke; kv_cache.UNSERVED_KV_FORMATS has the figures)",
     "topology: tensor / pipeline parallel",
     "sliding-window attention",
 ]
@@ -184,12 +185,15 @@ class EngineSettings:
 
 
 def _cpu_has_bf16() -> bool:
+    """The CPU multiplies bf16 natively (AVX512-BF16 or AMX) and torch's CPU kernels may use it: an ISA limited by
+    ATEN_CPU_CAPABILITY=avx2 (or lower) takes the bf16 paths away, so ``auto`` then computes in fp32."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    return native and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -419,12 +423,17 @@ class Engine:
         self._prefill_tokens, self._prefill_s = 0, 0.0  # measured prefill rate, for the time-saved estimate
         # block-sparse cells: prefill chunks by path, and the last chunk's record (capability()["attention"])
         self.sparse_stats: dict[str, Any] = {"chunks_sparse": 0, "chunks_dense": 0, "last_chunk": None}
+        # profile_gate verdicts on this cell's lossy profiles (from_cell fills it; [] when none is gated)
+        self.quality: list[dict[str, Any]] = []
 
     # ---- construction
 
     @classmethod
-    def from_cell(cls, spec: dict, model_path: str | None = None,
-                  settings: EngineSettings | None = None) -> Engine:
+    def from_cell(cls, spec: dict, model_path: str | None = None, settings: EngineSettings | None = None,
+                  quality_cache: str | None = DEFAULT_QUALITY_CACHE) -> Engine:
+        """Load the cell's weights and build its engine. A lossy profile (quantized KV, block-sparse prefill) is served
+        only if its quality smoke, measured on this machine (cached under ``quality_cache``; None: not cached),
+        passes: else errors.Unsupported naming the field and the measured numbers (profile_gate.py)."""
         from .models import build_model, load_checkpoint
         from .models.fetch import ensure_smollm2
         from .models.lora import load_adapter
@@ -479,7 +488,31 @@ class Engine:
         eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings)
         eng._try_decode_kernel()
         ckpt.tensors.clear()
+        from . import profile_gate
+        try:
+            eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)]
+        except BaseException:
+            eng.shutdown()
+            raise
         return eng
+
+    def sibling(self, kv: str | None = None, attention: str | None = None, kv_mib: int | None = None,
+                settings: EngineSettings | None = None, identity: dict | None = None, **spec_over: Any) -> Engine:
+        """Another engine over this one's loaded weights and tokenizer, with its own KV pool (``kv_mib`` MiB of
+        precision ``kv``), attention mode, settings and cell spec (``spec_over`` on top of this cell's). No quality
+        gate runs: quality smokes and tests build their candidates with it."""
+        spec = {**self.config.raw, **spec_over}
+        profile = dict(spec.get("profile") or {})
+        profile.update({k: v for k, v in (("kv", kv), ("attention", attention)) if v is not None})
+        spec["profile"] = profile
+        if kv_mib is not None:
+            spec["kvMemoryMiB"] = kv_mib
+        cfg = CellConfig.from_spec(spec)
+        a = self.model.args
+        cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
+                             self.kv.block_size, device=self.kv.k.device)
+        return Engine(self.model, self.tokenizer, cache, cfg, dict(self.identity, kv_dtype=cfg.kv, **(identity or {})),
+                      settings or dataclasses.replace(self.settings))
 
     def _try_decode_kernel(self) -> None:
         """Validate kernels.dispatch.paged_decode against model.py's torch path; route decode through it when
@@ -1455,6 +1488,9 @@ class Engine:
             "snapshot": {"version": SNAPSHOT_VERSION, "supported": True},
             "sampling": {"greedy": True, "temperature": [0, 10], "top_p": "(0, 1]", "top_k": [0, a.vocab_size],
                          "seed": True, "stop_strings": True},
+            "quality": {"gated": [v["profile"] for v in self.quality],
+                        "reference": "the same weights with fp32 KV and dense attention",
+                        "verdicts": self.quality},
             "unsupported": list(UNSUPPORTED_MODES),
             "ready": self.ready,
         }

@@ -80,27 +80,17 @@ KV_FORMATS = {
     "int4": KVFormat("int4", torch.uint8, quant="int4"),
 }
 KV_ALIASES = {"fp8": "fp8-e4m3", "fp8_e4m3": "fp8-e4m3", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# Formats the cache can store but the worker does not offer, with the measured reason: issue #4, "a profile that
-# fails [its quality smoke] is not offered". The thresholds are quality.PROFILE_THRESHOLDS; the figures are from
-# benchmarks/profiles_cpu.py (docs/kernels.md), and tests/cell/test_profiles.py re-measures them and fails once the
-# format passes, so the entry is removed then.
-UNSERVED_KV_FORMATS = {
-    "int4": "its quality smoke fails on SmolLM2-135M (quality.PROFILE_THRESHOLDS['int4']; docs/kernels.md): "
-            "Hadamard-rotated, greedy agreement 0.8125 < 0.9 (mean next-token KL 0.043 and max 0.186 pass)",
-}
-SERVED_KV_FORMATS = sorted(n for n in KV_FORMATS if n not in UNSERVED_KV_FORMATS)
+# Every stored format is a KV precision a cell may ask for. Whether a lossy one (int8, fp8-e4m3, int4) is served is
+# decided when the cell starts, by its quality smoke measured on that machine (profile_gate.py), not here.
+KV_FORMAT_NAMES = sorted(KV_FORMATS)
 
 
-def kv_format(name: str, served_only: bool = True) -> KVFormat:
-    """The format a spec names (aliases accepted). Unsupported for a format that is not offered (UNSERVED_KV_FORMATS,
-    reason included) unless ``served_only`` is False (benchmarks and tests that measure it); BadRequest if unknown."""
+def kv_format(name: str) -> KVFormat:
+    """The format a spec names (aliases accepted); BadRequest if unknown."""
     name = KV_ALIASES.get(name, name)
-    if name in UNSERVED_KV_FORMATS and served_only:
-        raise errors.Unsupported(f"KV precision {name!r} is not offered by this worker: {UNSERVED_KV_FORMATS[name]}; "
-                                 f"use one of {SERVED_KV_FORMATS}", requested=name, supported=SERVED_KV_FORMATS)
     if name in KV_FORMATS:
         return KV_FORMATS[name]
-    raise errors.BadRequest(f"unknown KV precision {name!r}; expected one of {SERVED_KV_FORMATS}", kv=name)
+    raise errors.BadRequest(f"unknown KV precision {name!r}; expected one of {KV_FORMAT_NAMES}", kv=name)
 
 
 def _raw(t: Tensor) -> Tensor:

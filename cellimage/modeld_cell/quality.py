@@ -29,7 +29,7 @@ PROFILE_THRESHOLDS: dict[str, dict[str, Any]] = {
     "fp8-e4m3": {"greedy_agreement_min": 0.9, "kl_mean_max": 0.02, "kl_max_max": 0.15, "capital": True,
                  "passkey": True},
     # int4 (group-32 fp16 scales, 3.56x bf16's tokens): the agreement bar of every profile, 2.5x fp8's mean-KL and
-    # 2x its max-KL budget. It fails them (docs/kernels.md), so kv_cache.UNSERVED_KV_FORMATS refuses the profile.
+    # 2x its max-KL budget. Its agreement sits near the bar and differs by CPU (docs/kernels.md): profile_gate decides.
     "int4": {"greedy_agreement_min": 0.9, "kl_mean_max": 0.05, "kl_max_max": 0.3, "capital": True, "passkey": True},
     # measured on LONG_PROMPTS forced sparse. The pass key must come back too (forced sparse at 371 tokens dropped its
     # block until the estimate kept the last query block's keys whole; docs/kernels.md "Profiles in the worker").
@@ -154,9 +154,10 @@ async def quality_smoke(engine: Engine, reference_engine: Engine, n_tokens: int 
     }
 
 
-def check(profile: str, result: dict[str, Any]) -> list[str]:
-    """Failures of ``result`` (from quality_smoke) against PROFILE_THRESHOLDS[profile]; [] when it passes."""
-    t = PROFILE_THRESHOLDS[profile]
+def check(profile: str, result: dict[str, Any], thresholds: dict[str, Any] | None = None) -> list[str]:
+    """Failures of ``result`` (from quality_smoke) against ``thresholds`` (default PROFILE_THRESHOLDS[profile]);
+    [] when it passes."""
+    t = PROFILE_THRESHOLDS[profile] if thresholds is None else thresholds
     out = []
     if result["greedy_agreement"] < t["greedy_agreement_min"]:
         out.append(f"greedy agreement {result['greedy_agreement']} < {t['greedy_agreement_min']}")

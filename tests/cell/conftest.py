@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeld_cell.engine import CellConfig, Engine, EngineSettings
-from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.engine import Engine, EngineSettings
 
 from .cellutil import CONTEXT_TIER
 
@@ -43,14 +42,9 @@ def engine_factory(base: Engine, spec: dict, made: list[Engine]):
 
     def make(kv_mib: int = 64, kv: str | None = None, identity: dict | None = None,
              settings: EngineSettings | None = None, **spec_over) -> Engine:
-        kv = kv or spec["profile"]["kv"]
-        cfg = CellConfig.from_spec({**spec, "kvMemoryMiB": kv_mib, "profile": {**spec["profile"], "kv": kv},
-                                    **spec_over})
-        a = base.model.args
-        cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(kv), kv_mib << 20)
-        ident = dict(base.identity, kv_dtype=kv, **(identity or {}))
-        e = Engine(base.model, base.tokenizer, cache, cfg, ident,
-                   settings or EngineSettings(threads=torch.get_num_threads()))
+        e = base.sibling(kv=kv, kv_mib=kv_mib, identity=identity,
+                         settings=settings or EngineSettings(threads=torch.get_num_threads()),
+                         **{"profile": spec["profile"], **spec_over})
         made.append(e)
         return e
 

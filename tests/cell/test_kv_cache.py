@@ -76,7 +76,7 @@ QD = 64  # quantized cases: int4 groups 32 values along D
     ("int4", torch.uint8, QD // 2, (QD // 32,), 2 * L * HKV * (QD // 2 + 2 * QD // 32)),
 ])
 def test_quantized_layout_and_budget(fmt, storage, vdim, stail, bpt):
-    kv = PagedKVCache(L, HKV, QD, kv_format(fmt, served_only=False), 5 * 16 * bpt + 7)
+    kv = PagedKVCache(L, HKV, QD, kv_format(fmt), 5 * 16 * bpt + 7)
     assert kv.bytes_per_token == bpt and kv.num_blocks == 5
     assert kv.k.shape == (L, 5, 16, HKV, vdim) and kv.k.dtype == storage
     assert kv.k_scale is not None and kv.k_scale.shape == (L, 5, 16, HKV, *stail)
@@ -89,7 +89,7 @@ def test_quantized_write_read_and_copy_on_write(fmt):
     """Writes quantize; read_tokens/read_scales + write_tokens (snapshots) and copy_block (copy-on-write) move the
     stored bytes and fp16 scales exactly; what attention reads back dequantizes close to what was written."""
     from modeld_cell.kernels.quant_kv import reference as quant_ref
-    kv = PagedKVCache(L, HKV, QD, kv_format(fmt, served_only=False), 1 << 20)
+    kv = PagedKVCache(L, HKV, QD, kv_format(fmt), 1 << 20)
     a, b = kv.allocate(3), kv.allocate(3)
     n = 37
     k, v = torch.randn(n, HKV, QD) * 3, torch.randn(n, HKV, QD)
@@ -122,13 +122,11 @@ def test_quantized_write_read_and_copy_on_write(fmt):
 
 
 def test_formats():
-    with pytest.raises(errors.Unsupported, match="quality smoke fails") as ei:
-        kv_format("int4")                                   # stored and measured, but not offered
-    assert ei.value.details["supported"] == ["bf16", "fp16", "fp32", "fp8-e4m3", "int8"]
-    assert kv_format("int4", served_only=False).quant == "int4"
+    assert kv_format("int4").quant == "int4"                 # stored; served where its measured smoke passes
     assert kv_format("fp8").name == kv_format("fp8_e4m3").name == "fp8-e4m3"
     assert kv_format("int8").quantized and not kv_format("bf16").quantized
-    with pytest.raises(errors.BadRequest):
+    with pytest.raises(errors.BadRequest, match=r"unknown KV precision 'fp7'") as ei:
         kv_format("fp7")
+    assert ei.value.details == {"kv": "fp7"}
     with pytest.raises(errors.BadRequest):
         PagedKVCache(L, HKV, D, kv_format("fp32"), 100)   # less than one block

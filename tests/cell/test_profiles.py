@@ -1,21 +1,23 @@
 """Serving profiles end to end on the real SmolLM2-135M (fp32 weights): int8 / fp8-e4m3 / int4 KV and block-sparse
 prefill.
 
-Quality is measured against the dense fp32-KV session engine with ``modeld_cell.quality`` (thresholds live there,
-in PROFILE_THRESHOLDS; docs/kernels.md "Profiles in the worker" quotes them with measured values). int4 is stored
-and measured but not offered (kv_cache.UNSERVED_KV_FORMATS): its smoke fails, and a test here keeps that honest.
+Quality is measured against the dense fp32-KV session engine with ``modeld_cell.quality``; whether a profile is
+served is profile_gate's verdict on a measurement made on this machine. No test here asserts a measured quality
+verdict: they assert the mechanism (a failing measurement is refused with its numbers, a passing one is served, a
+change of hardware or weights re-measures) with thresholds and measurements they control, and they print the
+measured numbers (docs/kernels.md "Profiles in the worker" has them per machine).
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from modeld_cell import errors, quality, schemas
-from modeld_cell.engine import CellConfig, Engine, EngineSettings
-from modeld_cell.kv_cache import UNSERVED_KV_FORMATS, PagedKVCache, kv_format
+from modeld_cell import errors, profile_gate, quality, schemas
+from modeld_cell.engine import Engine, EngineSettings
 
 from ._server import call, open_client
 from .cellutil import LOGIT_ATOL, generate
@@ -30,34 +32,17 @@ BYTES_PER_TOKEN = {"bf16": 23_040, "int8": 11_880, "fp8-e4m3": 11_880, "int4": 6
 STORAGE = {"int8": torch.int8, "fp8-e4m3": torch.float8_e4m3fn, "int4": torch.uint8}
 
 
-@pytest.fixture
-def make_any(engine, make_engine):
-    """make_engine for every stored KV format: one the worker does not offer (int4) is built past the spec parser
-    that refuses it, so that it can be measured."""
-    made: list[Engine] = []
-
-    def make(kv: str, kv_mib: int = 64) -> Engine:
-        if kv not in UNSERVED_KV_FORMATS:
-            return make_engine(kv_mib=kv_mib, kv=kv)
-        cfg = CellConfig.from_spec({**SPEC, "kvMemoryMiB": kv_mib})
-        cfg.kv = kv
-        a = engine.model.args
-        cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(kv, served_only=False), kv_mib << 20)
-        e = Engine(engine.model, engine.tokenizer, cache, cfg, dict(engine.identity, kv_dtype=kv),
-                   EngineSettings(threads=torch.get_num_threads()))
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.shutdown()
+@pytest.fixture(scope="module")
+def quality_cache(tmp_path_factory) -> str:
+    """One measurement cache for the module: each profile's smoke runs once here, later tests read it."""
+    return str(tmp_path_factory.mktemp("quality-cache"))
 
 
 @pytest.mark.parametrize("kv", QUANT + ["int4"])
-def test_quantized_capacity(make_any, make_engine, kv):
+def test_quantized_capacity(make_engine, kv):
     """Bytes/token include the fp16 scales (docs/kernels.md table): at the same budget int8 / fp8 hold >= 1.9x and
     int4 >= 3.5x bf16's tokens (issue #4's targets)."""
-    q, bf16 = make_any(kv), make_engine(kv_mib=64, kv="bf16")
+    q, bf16 = make_engine(kv=kv), make_engine(kv_mib=64, kv="bf16")
     cq, cb = q.capability()["kv"], bf16.capability()["kv"]
     assert cq["precision"] == kv and cq["storage"] == str(STORAGE[kv]).removeprefix("torch.")
     int4 = ", one per 32 values; values Hadamard-rotated (x @ R)"
@@ -82,29 +67,96 @@ async def test_quantized_budget_is_real(make_engine, kv):
         await e.prefill_suffix("full", toks[:1])
 
 
-@pytest.mark.parametrize("kv", QUANT)
-async def test_quantized_quality_smoke(engine, make_engine, kv):
-    r = await quality.quality_smoke(make_engine(kv=kv), engine)
-    print(kv, json.dumps(r))
-    assert quality.check(kv, r) == [], r
+@pytest.mark.parametrize("kv", QUANT + ["int4"])
+def test_gate_verdict_is_the_measurement(engine, quality_cache, kv):
+    """Each quantized KV format's smoke is measured here, on this CPU; whatever it measures, the verdict is
+    quality.check of that measurement, and require() serves exactly the passing ones and refuses the others with the
+    measured numbers and the field (int4 measured 0.8125 agreement on one Xeon, 0.9167 on another)."""
+    v = profile_gate.verdict(engine, kv, quality_cache)
+    print(kv, "passed" if v.passed else "refused", json.dumps(v.result), v.measure_s, "s")
+    assert not v.cached and v.result["positions"] > 0
+    assert v.passed == (quality.check(kv, v.result) == []) and v.failures == quality.check(kv, v.result)
+    assert v.hardware == profile_gate.hardware()
+    cell = engine.sibling(kv=kv, kv_mib=16)
+    try:
+        if v.passed:
+            (got,) = profile_gate.require(cell, quality_cache)
+            assert got.cached and got.result == v.result
+        else:
+            with pytest.raises(errors.Unsupported) as ei:
+                profile_gate.require(cell, quality_cache)
+            assert ei.value.details["field"] == "profile.kv" and v.summary() in ei.value.message
+    finally:
+        cell.shutdown()
 
 
-async def test_int4_is_refused_because_its_smoke_fails(engine, make_any):
-    """int4 is stored (Hadamard-rotated), served through the same paths and measured, but not offered: the smoke
-    fails its thresholds. The day it passes this test fails, and the UNSERVED_KV_FORMATS entry (with its figures)
-    must go."""
-    r = await quality.quality_smoke(make_any("int4"), engine)
-    print("int4", json.dumps(r))
-    failures = quality.check("int4", r)
-    assert failures, f"int4 now passes its quality smoke ({r}): offer it (drop kv_cache.UNSERVED_KV_FORMATS['int4'])"
-    assert r["greedy_agreement"] < 0.9 and r["kl_mean"] < 0.05           # the recorded failure: agreement only
-    with pytest.raises(errors.Unsupported, match="quality smoke fails.*Hadamard-rotated, greedy agreement 0.8125"):
-        CellConfig.from_spec({**SPEC, "profile": {**SPEC["profile"], "kv": "int4"}})
+def test_gate_refuses_a_failing_measurement_and_serves_a_passing_one(smollm2_path, quality_cache, monkeypatch):
+    """Through Engine.from_cell, on int4's measurement from test_gate_verdict_is_the_measurement (same cache, same
+    key): thresholds this test sets decide. One no result can meet is refused, naming profile.kv and the measured
+    agreement; one every result meets is served, and the capability report carries the verdict with its numbers."""
+    spec = {**SPEC, "kvMemoryMiB": 16, "profile": {**SPEC["profile"], "kv": "int4"}}
+    impossible = {**quality.PROFILE_THRESHOLDS["int4"], "greedy_agreement_min": 1.01}
+    monkeypatch.setitem(quality.PROFILE_THRESHOLDS, "int4", impossible)
+    with pytest.raises(errors.Unsupported, match=r"profile.kv 'int4' is not offered on this machine") as ei:
+        Engine.from_cell(spec, model_path=smollm2_path, quality_cache=quality_cache)
+    verdict = ei.value.details["verdict"]
+    assert ei.value.details["field"] == "profile.kv" and verdict["cached"]
+    assert f"greedy agreement {verdict['result']['greedy_agreement']} < 1.01" in ei.value.message
+
+    anything = {"greedy_agreement_min": 0.0, "kl_mean_max": float("inf"), "kl_max_max": float("inf"),
+                "capital": False, "passkey": False}
+    monkeypatch.setitem(quality.PROFILE_THRESHOLDS, "int4", anything)
+    e = Engine.from_cell(spec, model_path=smollm2_path, quality_cache=quality_cache)
+    try:
+        q = e.capability()["quality"]
+        assert q["gated"] == ["int4"] and e.capability()["kv"]["precision"] == "int4"
+        (v,) = q["verdicts"]
+        assert v["passed"] and v["cached"] and v["result"] == verdict["result"] and v["thresholds"] == anything
+    finally:
+        e.shutdown()
+
+
+def test_measurement_is_cached_by_hardware_and_weights(make_engine, tmp_path, monkeypatch):
+    """The measurement (a fake one here, so the test controls it) is taken once per key: the same hardware and
+    weights read the cache; other hardware, other weights or an unreadable cache file measure again; other
+    thresholds re-judge the cached measurement without measuring."""
+    calls: list[str] = []
+    fake = {"positions": 24, "greedy_agreement": 0.875, "kl_mean": 0.001, "kl_max": 0.01, "free_run_match": 1.0,
+            "capital": {"text": " Paris.", "ok": True}, "passkey": {"text": " 71432", "ok": True, "prompt_tokens": 300}}
+
+    async def measure(engine, profile):
+        calls.append(engine.identity["model_digest"])
+        return dict(fake)
+
+    monkeypatch.setattr(profile_gate, "_measure", measure)
+    e = make_engine(kv="int8")
+    hw = profile_gate.hardware()
+    first = profile_gate.verdict(e, "int8", str(tmp_path), hw=hw)
+    assert not first.cached and not first.passed and first.failures == ["greedy agreement 0.875 < 0.9"]
+    again = profile_gate.verdict(e, "int8", str(tmp_path), hw=hw)
+    assert again.cached and again.key == first.key and len(calls) == 1
+    lenient = profile_gate.verdict(e, "int8", str(tmp_path), {**quality.PROFILE_THRESHOLDS["int8"],
+                                                               "greedy_agreement_min": 0.85}, hw=hw)
+    assert lenient.cached and lenient.passed and len(calls) == 1
+    other_cpu = profile_gate.verdict(e, "int8", str(tmp_path), hw={**hw, "isa_flags": ["avx2"]})
+    assert not other_cpu.cached and other_cpu.key != first.key and len(calls) == 2
+    other_weights = make_engine(kv="int8", identity={"model_digest": "sha256:" + "0" * 64})
+    assert not profile_gate.verdict(other_weights, "int8", str(tmp_path), hw=hw).cached and len(calls) == 3
+    with open(tmp_path / "quality" / f"{first.key}.json", "w") as f:
+        f.write("{not json")
+    assert not profile_gate.verdict(e, "int8", str(tmp_path), hw=hw).cached and len(calls) == 4
+    assert not profile_gate.verdict(e, "fp8-e4m3", None, hw=hw).cached and len(calls) == 5   # no cache dir
+
+
+def test_only_lossy_profiles_are_gated():
+    assert profile_gate.gated_profiles("bf16", False) == [] and profile_gate.gated_profiles("fp32", False) == []
+    assert profile_gate.gated_profiles("int8", True) == ["int8", "block-sparse"]
+    assert profile_gate.gated_profiles("fp8-e4m3", False) == ["fp8-e4m3"]
 
 
 @pytest.mark.parametrize("kv", QUANT + ["int4"])
-async def test_quantized_prefix_sharing_and_snapshot(make_any, make_engine, tmp_path, kv):
-    e = make_any(kv)
+async def test_quantized_prefix_sharing_and_snapshot(make_engine, tmp_path, kv):
+    e = make_engine(kv=kv)
     base = e.tokenizer.encode("Once upon a time, in a quiet village by the sea, there lived an old fisherman. " * 2)
     await e.ensure_prefix("a", base + e.tokenizer.encode(" He sailed"))
     tr = await e.ensure_prefix("b", base + e.tokenizer.encode(" She sang"))
@@ -213,21 +265,21 @@ def test_sparse_keep_cap_setting(monkeypatch, make_engine):
         EngineSettings.from_env()
 
 
-async def test_block_sparse_forced_matches_dense(engine, make_engine):
-    """MODELD_SPARSE_MIN_TOKENS lowered (and no density cut-off): a 287-token prompt runs block-sparse in every layer
-    and stays within the block-sparse thresholds of the dense engine. At 5 blocks little is skipped; skipping is checked
-    at 3,000 tokens by test_block_sparse_suffix_after_long_past."""
+async def test_block_sparse_forced_runs_sparse_and_is_gated(engine, make_engine, quality_cache):
+    """MODELD_SPARSE_MIN_TOKENS lowered (and no density cut-off): a 287-token prompt runs block-sparse in every layer.
+    The block-sparse gate's smoke is that forced run on LONG_PROMPTS; its verdict is quality.check of what it measured
+    plus the proof that the smoke really ran sparse chunks (not the dense fallback). At 5 blocks little is skipped;
+    skipping is checked at 3,000 tokens by test_block_sparse_suffix_after_long_past."""
     st = EngineSettings(threads=torch.get_num_threads(), sparse_min_tokens=64, sparse_max_density=1.0)
     e = make_engine(profile=SPARSE_PROFILE, settings=st)
     tr = await e.ensure_prefix("p", e.tokenizer.encode(quality.LONG_PROMPTS[0]))
     assert tr.fallback is None, tr.fallback
     last = e.capability()["attention"]["sparse"]["last_chunk"]
     assert last["sparse_layers"] == last["layers"] == 30
-    density = sum(last["densities"]) / len(last["densities"])  # ~1: sink, 2 local and the dense last block of 5
-    e.close_session("p")
-    r = await quality.quality_smoke(e, engine, prompts=quality.LONG_PROMPTS, n_tokens=24, passkey_repeats=14)
-    print("block-sparse", f"density {density:.3f}", json.dumps(r))
-    assert quality.check("block-sparse", r) == [], r
+    v = profile_gate.verdict(make_engine(profile=SPARSE_PROFILE), "block-sparse", quality_cache)
+    print("block-sparse", "passed" if v.passed else "refused", json.dumps(v.result))
+    assert v.result["sparse_chunks"] > 0
+    assert v.passed == (quality.check("block-sparse", v.result) == [])
 
 
 async def test_block_sparse_full_mask_is_exact(engine, make_engine):
@@ -247,9 +299,9 @@ async def test_block_sparse_full_mask_is_exact(engine, make_engine):
 async def test_block_sparse_suffix_after_long_past(make_engine):
     """An agent-style turn: a session holds a 3,000-token past (a pass key a third of the way in, filler around it),
     then a 410-token suffix ending in the question runs block-sparse OVER the past in one chunk (forced: min tokens
-    64, no density cut-off; the past itself ran sparse too, fresh). Against the dense engine, teacher-forced greedy
-    agreement and next-token KL stay within quality.PROFILE_THRESHOLDS["block-sparse"], and the sparse session's
-    greedy answer holds the key."""
+    64, no density cut-off; the past itself ran sparse too, fresh), and blocks really are skipped. Teacher-forced
+    against the dense engine's answer (which holds the key), the agreement and next-token KL are printed, not
+    asserted: they are a measurement of this CPU (the gate's smoke decides whether the profile is served)."""
     st = EngineSettings(threads=torch.get_num_threads(), sparse_min_tokens=64, sparse_max_density=1.0)
     dense = make_engine(kv_mib=256, contextTier=4096)
     e = make_engine(kv_mib=256, contextTier=4096, profile=SPARSE_PROFILE, settings=st)
@@ -285,11 +337,9 @@ async def test_block_sparse_suffix_after_long_past(make_engine):
             await dense.prefill_suffix("d", cont[i : i + 1])
             tr = await e.prefill_suffix("s", cont[i : i + 1])
             assert "fewer than 256 new tokens" in tr.fallback["reason"], tr.fallback   # 1-token chunks run dense
-    r = {"positions": len(agree), "greedy_agreement": round(sum(agree) / len(agree), 4),
-         "kl_mean": round(sum(kls) / len(kls), 6), "kl_max": round(max(kls), 6), "density": density}
-    print("block-sparse after past", json.dumps(r))
-    t = quality.PROFILE_THRESHOLDS["block-sparse"]
-    assert r["greedy_agreement"] >= t["greedy_agreement_min"] and r["kl_mean"] <= t["kl_mean_max"], r
-    assert r["kl_max"] <= t["kl_max_max"], r
     run = next((i for i, (a, b) in enumerate(zip(mine, cont, strict=False)) if a != b), len(cont))
-    assert quality.PASSKEY in tok.decode(cont[:run]), tok.decode(mine)   # the sparse engine's own greedy answer
+    r = {"positions": len(agree), "greedy_agreement": round(sum(agree) / len(agree), 4),
+         "kl_mean": round(sum(kls) / len(kls), 6), "kl_max": round(max(kls), 6), "density": density,
+         "passkey_in_own_answer": quality.PASSKEY in tok.decode(cont[:run])}
+    print("block-sparse after past (measured, not asserted)", json.dumps(r))
+    assert len(agree) == len(cont) + 1 and all(math.isfinite(k) and k >= -1e-9 for k in kls)

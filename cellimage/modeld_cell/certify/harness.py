@@ -112,6 +112,9 @@ def matrix(t: Target, opts: Options) -> dict[str, Any]:
         "context_tier": int(cap.get("context_tier", 0)),
         "tiers_tested": list(opts.tiers),
         "unsupported": list(cap.get("unsupported", [])),
+        # the verdicts the worker measured on its own hardware at start (quantized KV, block-sparse)
+        "profile_quality": [{k: v.get(k) for k in ("profile", "passed", "failures", "result", "hardware", "measured_at")}
+                            for v in (cap.get("quality") or {}).get("verdicts", [])],
     }
 
 

@@ -78,7 +78,8 @@ def markdown(report: dict[str, Any], png_name: str | None = None) -> str:
             ("attention / prefix reuse", lambda m: f"{m['attention']} / {m['prefix_reuse']}"),
             ("capability context tier", lambda m: str(m["context_tier"])),
             ("tiers tested", lambda m: ", ".join(map(str, m["tiers_tested"]))),
-            ("unsupported modes", lambda m: "; ".join(m["unsupported"]) or "none")]
+            ("unsupported modes", lambda m: "; ".join(m["unsupported"]) or "none"),
+            ("profile quality (measured at start)", _profile_quality)]
     for label, fn in rows:
         lines.append(f"| {label} | " + " | ".join(str(fn(s["matrix"])) for s in sections) + " |")
 
@@ -182,3 +183,13 @@ def write_all(report: dict[str, Any], out: Path, stem: str = "certification") ->
     plot(report, paths["png"])
     paths["md"].write_text(markdown(report, paths["png"].name))
     return paths
+
+
+def _profile_quality(m: dict) -> str:
+    """The worker's start-up verdicts on its lossy profiles, with the numbers they rest on."""
+    out = []
+    for v in m.get("profile_quality") or []:
+        r = v["result"]
+        out.append(f"{v['profile']}: {'pass' if v['passed'] else 'fail'} (agreement {r.get('greedy_agreement')}, "
+                   f"KL mean {r.get('kl_mean')}, on {v['hardware'].get('name')})")
+    return "; ".join(out) or "none gated"
