@@ -18,7 +18,7 @@ verify:  ## fail if generated files drifted
 	$(PY) -m modeld_operator.crdgen --check
 	$(PY) -m modeld_cell.openapi --check
 lint:  ## ruff everywhere, mypy on the operator
-	.venv/bin/ruff check operator cellimage tests hack benchmarks
+	.venv/bin/ruff check api operator cellimage tests hack benchmarks
 	.venv/bin/mypy
 unit:  ## fast tests, no cluster, no model
 	$(PY) -m pytest -m unit

@@ -4,6 +4,6 @@
 set -o errexit -o nounset -o pipefail
 cd "$(dirname "$0")/.."
 hack/setup.sh
-.venv/bin/ruff check operator cellimage tests hack benchmarks
+.venv/bin/ruff check api operator cellimage tests hack benchmarks
 .venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"

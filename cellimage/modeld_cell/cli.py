@@ -57,28 +57,18 @@ def load_spec(cell_file: str | None, settings: Settings) -> dict[str, Any]:
 
 
 def _validate(obj: dict[str, Any], source: str) -> dict[str, Any]:
-    try:
-        from modeld_operator.api import parse_cell_spec
-    except ImportError:
-        pass
-    else:
-        from pydantic import ValidationError
+    """The spec as the API package (modeld_api, the CRDs' source) validates it: the same rules the apiserver applies."""
+    from pydantic import ValidationError
 
-        try:
-            return parse_cell_spec(obj).model_dump(mode="json", exclude_none=True)
-        except ValidationError as e:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors(include_url=False)
-            )
-            raise SpecError(f"{source}: invalid Cell spec: {problems}") from None
-    # The worker image may be built without the operator package; then only the fields the engine reads are checked.
-    spec = obj["spec"] if "spec" in obj and ("kind" in obj or "apiVersion" in obj) else obj
-    for key in ("runtime", "topology", "model", "contextTier"):
-        if key not in spec:
-            raise SpecError(f"{source}: invalid Cell spec: {key}: field required")
-    if not isinstance(spec["contextTier"], int) or spec["contextTier"] < 1:
-        raise SpecError(f"{source}: invalid Cell spec: contextTier: must be a positive integer")
-    return dict(spec)
+    from modeld_api import parse_cell_spec
+
+    try:
+        return parse_cell_spec(obj).model_dump(mode="json", exclude_none=True)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors(include_url=False)
+        )
+        raise SpecError(f"{source}: invalid Cell spec: {problems}") from None
 
 
 def model_name(spec: dict[str, Any]) -> str:

@@ -216,7 +216,7 @@ def _parse_tier(v: Any) -> int | None:
 
 @dataclass
 class CellConfig:
-    """The parts of the Cell CRD's ``.spec`` the engine uses (operator/modeld_operator/api.py is the source)."""
+    """The parts of the Cell CRD's ``.spec`` the engine uses (api/modeld_api/__init__.py is the source)."""
 
     backend: str = "torch"
     device: str = "cpu"

@@ -9,7 +9,9 @@ from typing import Any
 
 import kopf
 
-from . import api, kube, metrics
+import modeld_api as api
+
+from . import kube, metrics
 from .settings import SETTINGS
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import api
+import modeld_api as api
 
 TERMINATION_LOG = "/dev/termination-log"
 DEFAULT_TIERS = (1024, 4096, 8192, 32768, 131072)

@@ -11,7 +11,7 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from . import api
+import modeld_api as api
 
 _loaded = False
 

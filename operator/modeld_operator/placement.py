@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import api
+import modeld_api as api
 
 
 @dataclass(frozen=True)

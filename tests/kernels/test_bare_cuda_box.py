@@ -18,7 +18,7 @@ pytestmark = pytest.mark.kernels
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # modeld's own dependencies (pyproject) that a bare CUDA box lacks; torch, triton, numpy and pytest stay importable.
 BLOCKED = ("pydantic", "gguf", "kopf", "aiohttp", "kubernetes", "yaml", "jinja2", "tokenizers", "safetensors",
-           "prometheus_client", "matplotlib", "tqdm", "modeld_operator")
+           "prometheus_client", "matplotlib", "tqdm", "modeld_operator", "modeld_api")
 
 SITECUSTOMIZE = f'''
 import sys

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from modeld_operator import api, certification
+import modeld_api as api
+from modeld_operator import certification
 from modeld_operator.handlers.session import first_output_p90
 
 pytestmark = pytest.mark.unit

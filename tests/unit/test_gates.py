@@ -203,7 +203,7 @@ def report_for(decision: gates.Decision, n_tiers: int = 3) -> dict:
 
 
 def test_summary_fits_a_status_and_carries_the_certification_fields():
-    from modeld_operator import api
+    import modeld_api as api
 
     d = gates.Decision(True, "context", "x" * 5000)
     s = summary_for_status(report_for(d, n_tiers=12))

@@ -1,4 +1,5 @@
-"""Generated artefacts match their single sources; settings parse; the operator never imports torch."""
+"""Generated artefacts match their single sources; settings parse; import boundaries: the operator never imports
+torch or the worker, the worker never imports the operator, and the API package both share imports pydantic only."""
 
 from __future__ import annotations
 
@@ -38,17 +39,35 @@ def test_crds_are_structural():
         walk(schema, name)
 
 
-def test_operator_never_imports_torch_or_worker():
-    for path in (ROOT / "operator" / "modeld_operator").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = []
+def _imports(package: Path) -> list[tuple[Path, str]]:
+    """(file, top-level module) for every absolute import under ``package``."""
+    out = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            for name in names:
-                assert name.split(".")[0] not in ("torch", "triton", "modeld_cell"), f"{path}: imports {name}"
+                out += [(path, a.name.split(".")[0]) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out.append((path, node.module.split(".")[0]))
+    return out
+
+
+def test_operator_never_imports_torch_or_worker():
+    for path, name in _imports(ROOT / "operator" / "modeld_operator"):
+        assert name not in ("torch", "triton", "modeld_cell"), f"{path}: imports {name}"
+
+
+def test_worker_never_imports_the_operator():
+    """Both programs share the API package; the worker image needs nothing of the operator's."""
+    for path, name in _imports(ROOT / "cellimage" / "modeld_cell"):
+        assert name != "modeld_operator", f"{path}: imports {name}"
+
+
+def test_api_package_imports_pydantic_only():
+    import sys
+
+    allowed = {"pydantic", "__future__", *sys.stdlib_module_names}
+    for path, name in _imports(ROOT / "api" / "modeld_api"):
+        assert name in allowed, f"{path}: imports {name}; the API package is pydantic only (no kopf, no torch)"
 
 
 def test_settings_from_env():

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from modeld_operator import api, placement
+import modeld_api as api
+from modeld_operator import placement
 
 pytestmark = pytest.mark.unit
 

@@ -30,13 +30,9 @@ class Worker:
     def __init__(self, name: str, cell_file: str, log_path: Path):
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        paths = [str(Path(modeld_cell.__file__).resolve().parents[1])]
-        try:
-            import modeld_operator  # validates the spec in the worker when present
+        import modeld_api  # the worker validates its spec with the API package
 
-            paths.append(str(Path(modeld_operator.__file__).resolve().parents[1]))
-        except ImportError:
-            pass
+        paths = [str(Path(m.__file__).resolve().parents[1]) for m in (modeld_cell, modeld_api)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path

@@ -8,7 +8,8 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from modeld_operator import api, certification, kube, metrics, placement
+import modeld_api as api
+from modeld_operator import certification, kube, metrics, placement
 from modeld_operator.conditions import get_condition, set_condition
 from modeld_operator.conditions import now as conditions_now
 from modeld_operator.settings import SETTINGS

@@ -9,7 +9,8 @@ from urllib.parse import quote
 import kopf
 from pydantic import ValidationError
 
-from modeld_operator import api, kube, metrics, placement
+import modeld_api as api
+from modeld_operator import kube, metrics, placement
 from modeld_operator.conditions import now, set_condition
 from modeld_operator.settings import SETTINGS
 
