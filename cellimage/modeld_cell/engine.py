@@ -42,7 +42,14 @@ import torch
 from . import __version__, errors
 from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY_MIB, PagedKVCache, kv_format
-from .model import AttnMetadata, Transformer, chunking_invariant, use_decode_kernel, use_quant_decode_dispatch
+from .model import (
+    AttnMetadata,
+    Transformer,
+    chunking_invariant,
+    probe_chunking_invariance,
+    use_decode_kernel,
+    use_quant_decode_dispatch,
+)
 from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
 from .tokenizer import Tokenizer, common_prefix
 
@@ -425,6 +432,9 @@ class Engine:
         self.sparse_stats: dict[str, Any] = {"chunks_sparse": 0, "chunks_dense": 0, "last_chunk": None}
         # profile_gate verdicts on this cell's lossy profiles (from_cell fills it; [] when none is gated)
         self.quality: list[dict[str, Any]] = []
+        # what bitwise reuse rests on, measured once per loaded model (siblings share it): None = rows invariant
+        if not hasattr(model, "chunking_probe"):
+            model.chunking_probe = probe_chunking_invariance(model)
 
     # ---- construction
 
@@ -1505,12 +1515,15 @@ class Engine:
                 "evictions": idx.evictions, "identity_key_fields": list(IDENTITY_KEY_FIELDS),
                 "identity_root": self._root.hex(), "eviction": "LRU over unreferenced cached blocks",
                 "exactness": self.reuse_exactness(),
+                "exactness_probe": self.model.chunking_probe or "passed: rows are invariant on this CPU's kernels",
                 "prefill_tok_s_measured": round(r, 1) if (r := self._prefill_rate()) else None}
 
     def reuse_exactness(self) -> str:
         """'bitwise' when this engine's attention and matmuls are chunking-invariant (the CPU torch path: reused,
-        branched, restored or decoded K/V are the bits a cold prefill computes; docs/reuse.md), else 'tolerance'."""
-        if chunking_invariant(self.kv.k.device) and not self.sparse and self.settings.decode_attention != "dispatch":
+        branched, restored or decoded K/V are the bits a cold prefill computes; docs/reuse.md) AND the probe measured
+        it on this CPU's kernels (model.probe_chunking_invariance), else 'tolerance'."""
+        if (chunking_invariant(self.kv.k.device) and not self.sparse and self.settings.decode_attention != "dispatch"
+                and self.model.chunking_probe is None):
             return "bitwise"
         return "tolerance"
 

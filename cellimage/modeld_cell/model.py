@@ -145,6 +145,44 @@ def chunking_invariant(device: torch.device) -> bool:
     return device.type == "cpu" and _FLASH_CPU is not None
 
 
+# Row counts the exactness probe compares with a 512-row call: decode batches, the 1-3 row flash tail, small-M kernel
+# choices (AMX's bf16 GEMM takes another kernel below ~48 rows), chunk remainders.
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 48, 64, 97, 128, 255, 300, 511)
+
+
+@torch.no_grad()
+def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None:
+    """Measure, on this process's kernels, what bitwise reuse rests on: every row of a matmul (each of layer 0's four
+    RowLinears, at the model's dtype) and of ``_segmented_attention`` gets the same bits whatever the other rows of
+    its call. None when it holds, else what differed. It is a measurement because it depends on the BLAS / oneDNN
+    kernel the CPU gets: with AMX, bf16 GEMMs of 16-32 rows round differently from 512-row ones (issue #11)."""
+    w = model.tok_embeddings.weight
+    if not chunking_invariant(w.device):
+        return f"{w.device.type}: not the CPU segmented path"
+    g = torch.Generator().manual_seed(0)
+    layer = model.layers[0]
+    for name, lin in (("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
+                      ("feed_forward.w13", layer.feed_forward.w13), ("feed_forward.w2", layer.feed_forward.w2)):
+        x = torch.randn(rows, lin.in_features, generator=g).to(w.dtype)
+        full = lin(x)
+        for m in PROBE_ROWS:
+            if not torch.equal(lin(x[:m]), full[:m]):
+                return (f"{name} ({w.dtype}): the rows of a {m}-row matmul differ from the same rows of a {rows}-row "
+                        "one on this CPU")
+    a = model.args
+    q = torch.randn(rows, a.n_heads, a.head_dim, generator=g).to(w.dtype)
+    k = torch.randn(rows, a.n_kv_heads, a.head_dim, generator=g).to(w.dtype)
+    v = torch.randn(rows, a.n_kv_heads, a.head_dim, generator=g).to(w.dtype)
+    scale = 1.0 / math.sqrt(a.head_dim)
+    full = _segmented_attention(q, k, v, 0, scale)
+    for q0, t in ((0, 1), (0, 97), (97, 1), (97, 203), (300, 211), (510, 2), (rows - 1, 1)):
+        got = _segmented_attention(q[q0 : q0 + t], k[: q0 + t], v[: q0 + t], q0, scale)
+        if not torch.equal(got, full[q0 : q0 + t]):
+            return (f"attention ({w.dtype}): {t} rows at position {q0} differ from the same rows of a one-pass "
+                    f"{rows}-row call on this CPU")
+    return None
+
+
 def use_decode_kernel(fn: Callable[..., Tensor] | None) -> None:
     global _DECODE_KERNEL
     _DECODE_KERNEL = fn
