@@ -434,7 +434,13 @@ class Engine:
         self.quality: list[dict[str, Any]] = []
         # what bitwise reuse rests on, measured once per loaded model (siblings share it): None = rows invariant
         if not hasattr(model, "chunking_probe"):
-            model.chunking_probe = probe_chunking_invariance(model)
+            try:
+                model.chunking_probe = probe_chunking_invariance(model)
+            except RuntimeError as e:   # e.g. bf16 flash attention under ATEN_CPU_CAPABILITY=avx2: "pack_vnni2 ..."
+                dt = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+                raise errors.Unsupported(
+                    f"profile.weights: this CPU's torch kernels cannot compute the model in {dt} ({e}); use weights "
+                    "fp32, or auto (fp32 where torch's CPU capability lacks AVX-512)", field="profile.weights", value=dt) from None
 
     # ---- construction
 

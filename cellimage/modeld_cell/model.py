@@ -155,20 +155,12 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
     """Measure, on this process's kernels, what bitwise reuse rests on: every row of a matmul (each of layer 0's four
     RowLinears, at the model's dtype) and of ``_segmented_attention`` gets the same bits whatever the other rows of
     its call. None when it holds, else what differed. It is a measurement because it depends on the BLAS / oneDNN
-    kernel the CPU gets: with AMX, bf16 GEMMs of 16-32 rows round differently from 512-row ones (issue #11)."""
+    kernel the CPU gets: with AMX, bf16 GEMMs of 16-32 rows round differently from 512-row ones (issue #11). Attention
+    runs first, so a CPU whose kernels cannot compute the dtype at all raises here, at start, not at a first request."""
     w = model.tok_embeddings.weight
     if not chunking_invariant(w.device):
         return f"{w.device.type}: not the CPU segmented path"
     g = torch.Generator().manual_seed(0)
-    layer = model.layers[0]
-    for name, lin in (("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
-                      ("feed_forward.w13", layer.feed_forward.w13), ("feed_forward.w2", layer.feed_forward.w2)):
-        x = torch.randn(rows, lin.in_features, generator=g).to(w.dtype)
-        full = lin(x)
-        for m in PROBE_ROWS:
-            if not torch.equal(lin(x[:m]), full[:m]):
-                return (f"{name} ({w.dtype}): the rows of a {m}-row matmul differ from the same rows of a {rows}-row "
-                        "one on this CPU")
     a = model.args
     q = torch.randn(rows, a.n_heads, a.head_dim, generator=g).to(w.dtype)
     k = torch.randn(rows, a.n_kv_heads, a.head_dim, generator=g).to(w.dtype)
@@ -180,6 +172,15 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
         if not torch.equal(got, full[q0 : q0 + t]):
             return (f"attention ({w.dtype}): {t} rows at position {q0} differ from the same rows of a one-pass "
                     f"{rows}-row call on this CPU")
+    layer = model.layers[0]
+    for name, lin in (("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
+                      ("feed_forward.w13", layer.feed_forward.w13), ("feed_forward.w2", layer.feed_forward.w2)):
+        x = torch.randn(rows, lin.in_features, generator=g).to(w.dtype)
+        full = lin(x)
+        for m in PROBE_ROWS:
+            if not torch.equal(lin(x[:m]), full[:m]):
+                return (f"{name} ({w.dtype}): the rows of a {m}-row matmul differ from the same rows of a {rows}-row "
+                        "one on this CPU")
     return None
 
 
