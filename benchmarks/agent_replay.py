@@ -17,7 +17,7 @@ the loaded weights:
 
 First output = wall time from the request (ensure_prefix / prefill_suffix / restore) to the first generated token.
 
-    PYTHONPATH=cellimage:operator .venv/bin/python benchmarks/agent_replay.py --out _out/agent_replay.json
+    PYTHONPATH=cellimage:api .venv/bin/python benchmarks/agent_replay.py --out _out/agent_replay.json
 """
 
 from __future__ import annotations

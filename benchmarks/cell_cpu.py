@@ -8,7 +8,7 @@ Measures
     once without (prefixReuse off and a new session every turn: the whole transcript recomputed).
 Writes JSON (--out) and prints a table. Timings are medians over --repeats runs after one warm-up.
 
-    PYTHONPATH=cellimage:operator python benchmarks/cell_cpu.py --weights bf16 --out _out/cell_cpu.json
+    PYTHONPATH=cellimage:api python benchmarks/cell_cpu.py --weights bf16 --out _out/cell_cpu.json
 """
 
 from __future__ import annotations

@@ -323,7 +323,7 @@ def run_worker(provider: str, python: str, job: dict, timeout: float) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]), MKL_NUM_THREADS=str(job["threads"]),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if provider == "modeld":
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "cellimage"), str(REPO / "operator"),
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "cellimage"), str(REPO / "api"),
                                              env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory() as td:
         jf, rf = Path(td, "job.json"), Path(td, "result.json")

@@ -11,7 +11,7 @@ one, suffix S = the rest), on one engine with prefixReuse on, each repeat runs i
 
 and each is followed by one decoded token (first output = request -> first token). Medians and min/max per path.
 
-    PYTHONPATH=cellimage:operator .venv/bin/python benchmarks/reuse_floor.py --out _out/reuse_floor.json
+    PYTHONPATH=cellimage:api .venv/bin/python benchmarks/reuse_floor.py --out _out/reuse_floor.json
 """
 
 from __future__ import annotations

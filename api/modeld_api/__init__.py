@@ -287,6 +287,9 @@ class Endpoint(_Model):
     node: str | None = Field(default=None, description="Node the pod runs on.")
     url: str | None = Field(default=None, description="Base URL of the worker's HTTP API.")
     ready: bool = Field(default=False, description="The worker answered /readyz.")
+    refusal: str | None = Field(
+        default=None, description="Why the worker refused its cell spec at start (it stays up, not ready, and says so)."
+    )
 
 
 class Certification(_Model):

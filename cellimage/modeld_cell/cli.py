@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from . import logs
+from .errors import ContractError
 from .settings import Settings
 
 log = logging.getLogger("modeld_cell.cli")
@@ -61,14 +62,18 @@ def _validate(obj: dict[str, Any], source: str) -> dict[str, Any]:
     from pydantic import ValidationError
 
     from modeld_api import parse_cell_spec
+    from modeld_api.served import unserved
 
     try:
-        return parse_cell_spec(obj).model_dump(mode="json", exclude_none=True)
+        spec = parse_cell_spec(obj)
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors(include_url=False)
         )
         raise SpecError(f"{source}: invalid Cell spec: {problems}") from None
+    if refused := unserved(spec):
+        raise SpecError(f"{source}: " + "; ".join(u.message() for u in refused))
+    return spec.model_dump(mode="json", exclude_none=True)
 
 
 def model_name(spec: dict[str, Any]) -> str:
@@ -117,6 +122,14 @@ async def serve(settings: Settings, spec: dict[str, Any]) -> int:
         if load.done():
             try:
                 engine = load.result()
+            except ContractError as e:
+                # a refusal the spec carries (Unsupported / BadRequest naming a field): restarting cannot help, so
+                # the worker stays up and answers it on every route, /readyz included, where the operator reads it
+                log.error("the cell spec is refused: %s", e.message, extra={"fields": {"kind": e.kind, **{
+                    k: v for k, v in e.details.items() if isinstance(v, (str, int, float))}}})
+                app[WORKER].refuse(e)
+                await stopping
+                return 0
             except Exception:
                 log.exception("the engine failed to load")
                 return 1

@@ -58,6 +58,9 @@ class Worker:
         self.metrics = Metrics(model_name)
         self.engine: Any = None
         self.fatal: ContractError | None = None
+        # the spec was refused at start (a value not served, a profile whose measured smoke fails): every route
+        # answers it, /readyz included, while /healthz stays up, so the pod does not restart into the same refusal
+        self.refusal: ContractError | None = None
         self.metrics.bind_engine(self._engine_gauges, self._cache_config)
         if engine is not None:
             self.attach(engine)
@@ -68,7 +71,14 @@ class Worker:
 
     # ---- plumbing ----
 
+    def refuse(self, err: ContractError) -> None:
+        """The engine will not load for a reason the spec carries: answer it instead of serving."""
+        self.refusal = err
+
     def _ready_engine(self) -> Any:
+        if self.refusal is not None:
+            r = self.refusal
+            raise type(r)(f"the worker refused its cell spec at start: {r.message}", refused=True, **r.details)
         if self.engine is None:
             raise NotReady("the model is still loading; retry shortly")
         if self.fatal is not None:

@@ -170,6 +170,7 @@ def crds() -> dict[str, dict[str, Any]]:
             _col("Context", ".spec.contextTier", "integer"),
             _col("Ready", ".status.readyReplicas", "integer"),
             _col("Phase", ".status.phase"),
+            _col("Reason", ".status.conditions[?(@.type==\"Ready\")].reason", priority=1),
             _col("Certified", ".status.conditions[?(@.type==\"Certified\")].status"),
             _col("Sessions", ".status.sessions", "integer", priority=1),
             _col("Baseline", ".spec.baseline", priority=1),

@@ -129,6 +129,15 @@ def apply_deployment(manifest: dict[str, Any]) -> None:
         _raise(exc, f"updating deployment {name}")
 
 
+def delete_deployment(namespace: str, name: str) -> None:
+    """Delete a Deployment and its pods now (foreground); absent is fine."""
+    try:
+        apps().delete_namespaced_deployment(name, namespace, propagation_policy="Foreground")
+    except ApiException as exc:
+        if exc.status != 404:
+            _raise(exc, f"deleting deployment {name}")
+
+
 def _with_version(namespace: str, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
     current = apps().read_namespaced_deployment(name, namespace)
     meta = current.metadata
@@ -160,6 +169,10 @@ def http_json(method: str, url: str, timeout: float, body: dict[str, Any] | None
             raw = resp.read()
             return resp.status, json.loads(raw) if raw else None
     except urllib.error.HTTPError as exc:
-        return exc.code, None
+        try:  # the worker's typed error body ({"error": {"kind", "message", "details"}}), when it sent one
+            raw = exc.read()
+            return exc.code, json.loads(raw) if raw else None
+        except (OSError, ValueError):
+            return exc.code, None
     except (urllib.error.URLError, OSError, ValueError):
         return 0, None

@@ -155,7 +155,9 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
         "env": env,
         "resources": {k: v for k, v in resources.items() if v},
         "readinessProbe": probe,
-        "startupProbe": {**probe, "failureThreshold": 120},
+        # /healthz answers as soon as the server listens (it loads the model after): a worker that refuses its spec
+        # stays up, not ready, reporting why on /readyz, instead of being restarted into the same refusal
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": spec.port}, "periodSeconds": 2, "failureThreshold": 60},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": spec.port}, "periodSeconds": 10},
     }
     return {
@@ -171,12 +173,16 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
     }
 
 
+def deployment_name(cell: str) -> str:
+    return f"cell-{cell}"
+
+
 def deployment(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
-            "name": f"cell-{name}",
+            "name": deployment_name(name),
             "namespace": namespace,
             "labels": {api.LABEL_CELL: name, api.LABEL_MANAGED_BY: "modeld"},
         },

@@ -79,7 +79,7 @@ def test_entrypoint_serves_a_cell(smollm2_path, tmp_path):
     cell.write_text(yaml.safe_dump(CELL))
     port = _free_port()
     log = tmp_path / "worker.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "cellimage"), str(REPO / "operator")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "cellimage"), str(REPO / "api")]),
            "MODELD_CACHE_DIR": str(tmp_path / "cache"), "MODELD_THREADS": "1", "MODELD_LOG_LEVEL": "INFO"}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "modeld_cell", "serve", "--cell", str(cell),
@@ -143,7 +143,7 @@ def test_the_embedded_laptop_cell_is_accepted_by_the_engine():
 
 def _start_worker(cell: Path, smollm2_path: str, cache: Path, log: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "cellimage"), str(REPO / "operator")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "cellimage"), str(REPO / "api")]),
            "MODELD_CACHE_DIR": str(cache), "MODELD_THREADS": "1", "MODELD_LOG_LEVEL": "INFO"}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "modeld_cell", "serve", "--cell", str(cell),
@@ -201,3 +201,32 @@ def test_restore_into_another_worker_process(smollm2_path, tmp_path):
             p.send_signal(signal.SIGTERM)
         for p, _ in procs:
             p.wait(timeout=60)
+
+
+def test_a_refused_spec_keeps_the_worker_up_and_says_why(smollm2_path, tmp_path):
+    """A spec the engine refuses at start (here model.digest naming other weights: deterministic on any CPU) does not
+    end the process: /healthz stays 200, so the pod is not restarted into the same refusal, and /readyz and every
+    engine route answer the typed refusal naming the field, which the operator copies into the Cell's status."""
+    spec = {**CELL["spec"], "model": {**CELL["spec"]["model"], "digest": "sha256:" + "0" * 64}}
+    cell = tmp_path / "cell.yaml"
+    cell.write_text(yaml.safe_dump({**CELL, "spec": spec}))
+    log = tmp_path / "worker.log"
+    proc, url = _start_worker(cell, smollm2_path, tmp_path / "cache", log)
+    try:
+        _wait_for(f"{url}/healthz", proc, log)
+        end = time.monotonic() + START_S
+        while (got := _http("GET", f"{url}/readyz"))[0] == 503:      # not_ready while the model loads
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-4000:]
+            time.sleep(0.2)
+        status, body = got
+        err = body["error"]
+        assert status == 400 and err["kind"] == "bad_request", body
+        assert err["details"]["refused"] is True and err["details"]["field"] == "model.digest", body
+        assert "refused its cell spec at start" in err["message"] and "does not match the loaded weights" in err["message"]
+        assert _http("POST", f"{url}/v1/sessions/s/prefix", {"text": "hi"})[1]["error"]["details"]["refused"]
+        assert _http("GET", f"{url}/healthz")[0] == 200 and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

