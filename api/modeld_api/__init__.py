@@ -274,7 +274,7 @@ class SessionSpec(_Model):
 
 
 class Condition(_Model):
-    type: str = Field(description="Scheduled, Ready, Certified (Cell); Bound (Session).")
+    type: str = Field(description="Served, Scheduled, Ready, Certified (Cell); Bound (Session).")
     status: str = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason.")
     message: str = Field(default="", description="Human-readable detail.")
@@ -306,7 +306,7 @@ class Certification(_Model):
 
 
 class CellStatus(_Model):
-    phase: str | None = Field(default=None, description="Pending, Unschedulable, Scheduled, Ready or Failed.")
+    phase: str | None = Field(default=None, description="Pending, Unschedulable, Scheduled, Ready, Stopped, Refused (a spec value not served) or Failed (the worker refused its spec).")
     observedGeneration: int | None = Field(default=None, description="Generation last reconciled.")
     replicas: int = Field(default=0, description="Pods that exist.")
     readyReplicas: int = Field(default=0, description="Pods whose worker is ready.")
@@ -314,7 +314,7 @@ class CellStatus(_Model):
     nodes: list[str] = Field(default_factory=list, description="Nodes that satisfy the cell's topology.")
     sessions: int = Field(default=0, description="Sessions bound to this cell.")
     certification: Certification | None = Field(default=None, description="Latest certification on this topology.")
-    conditions: list[Condition] = Field(default_factory=list, description="Scheduled, Ready, Certified.")
+    conditions: list[Condition] = Field(default_factory=list, description="Served, Scheduled, Ready, Certified.")
 
 
 class SessionStatus(_Model):

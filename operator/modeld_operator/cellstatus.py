@@ -38,7 +38,8 @@ def derive(o: Observed) -> Derived:
     refused its spec at start makes the Cell Failed with the worker's words; otherwise placement and readiness."""
     if o.unserved:
         why = "; ".join(u.message() for u in o.unserved)
-        no_pods = f"no pods are created: {why}"
+        where = "the topology fits the nodes in status.nodes" if o.schedulable else f"placement: {o.plan_reason}"
+        no_pods = f"no pods are created: {why}; {where}"
         return Derived("Refused", (False, "ValueNotServed", why), (False, "NotServed", no_pods),
                        (False, "NotServed", no_pods))
     served: Verdict = (True, "Served", "every spec value is served by this worker version")

@@ -22,7 +22,9 @@ def test_an_unserved_value_refuses_the_cell_and_names_the_field():
     assert d.phase == "Refused"
     assert d.served == (False, "ValueNotServed", "spec.runtime.backend 'triton' is not served: no triton runtime yet")
     assert d.scheduled[:2] == (False, "NotServed") and d.ready[:2] == (False, "NotServed")
-    assert "no pods are created" in d.scheduled[2]
+    assert "no pods are created" in d.scheduled[2] and d.scheduled[2].endswith("fits the nodes in status.nodes")
+    d = derive(Observed(1, False, "no node offers 16 GPUs over nvswitch", [], [], [u]))
+    assert d.phase == "Refused" and d.scheduled[2].endswith("placement: no node offers 16 GPUs over nvswitch")
 
 
 def test_a_worker_refusal_fails_the_cell_with_its_words():
