@@ -90,7 +90,7 @@ def build_engine(spec: dict[str, Any], settings: Settings) -> Any:
 
     engine_settings = EngineSettings.from_env()
     if settings.threads:
-        engine_settings.threads = settings.threads  # MODELD_THREADS wins over the engine's MODELD_TORCH_THREADS
+        engine_settings.threads = settings.threads  # MODELD_THREADS, validated by Settings
     return Engine.from_cell(spec, model_path=settings.model_path, settings=engine_settings,
                             quality_cache=settings.cache_dir)
 
@@ -108,7 +108,9 @@ async def serve(settings: Settings, spec: dict[str, Any]) -> int:
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
-    log.info("listening; loading the model", extra={"fields": {"host": settings.host, "port": settings.port}})
+    log.info("listening; loading the model", extra={"fields": {"host": settings.host, "port": settings.port,
+                                                                "cell": settings.cell_name,
+                                                                "namespace": settings.cell_namespace}})
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

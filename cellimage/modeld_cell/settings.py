@@ -41,6 +41,12 @@ class Settings:
     kv_memory_mib: int | None = None
     """MODELD_KV_MEMORY_MIB: KV-cache budget in MiB; overrides ``spec.kvMemoryMiB``."""
 
+    cell_name: str | None = None
+    """MODELD_CELL_NAME: the Cell this pod serves (the operator sets it); named in the worker's start-up log lines."""
+
+    cell_namespace: str | None = None
+    """MODELD_CELL_NAMESPACE: the Cell's namespace (the operator sets it); named in the start-up log lines."""
+
     log_level: str = "INFO"
     """MODELD_LOG_LEVEL: DEBUG, INFO, WARNING or ERROR. Logs are JSON lines on stderr, one per request at INFO."""
 
@@ -72,6 +78,8 @@ class Settings:
         put("cache_dir", "MODELD_CACHE_DIR")
         put("threads", "MODELD_THREADS", _positive_int)
         put("kv_memory_mib", "MODELD_KV_MEMORY_MIB", _positive_int)
+        put("cell_name", "MODELD_CELL_NAME")
+        put("cell_namespace", "MODELD_CELL_NAMESPACE")
         put("log_level", "MODELD_LOG_LEVEL", _log_level)
         known = {f.name for f in fields(cls)}
         values.update({k: v for k, v in overrides.items() if v is not None and k in known})
