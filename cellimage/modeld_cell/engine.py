@@ -23,7 +23,6 @@ Session state
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -39,30 +38,30 @@ from typing import Any
 
 import torch
 
-from . import __version__, errors
+from . import __version__, capability, errors
 from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY_MIB, PagedKVCache, kv_format
 from .model import (
     AttnMetadata,
     Transformer,
-    chunking_invariant,
     probe_chunking_invariance,
-    use_decode_kernel,
-    use_quant_decode_dispatch,
 )
 from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
+from .snapshot import (
+    SNAPSHOT_MAGIC,
+    SNAPSHOT_VERSION,
+    SnapshotError,
+    buffer_tensor,
+    read_snapshot,
+    tensor_view,
+    write_atomic,
+)
 from .tokenizer import Tokenizer, common_prefix
 
-SNAPSHOT_MAGIC = b"MODELD-SNAPSHOT\x00"   # 16 bytes
-SNAPSHOT_VERSION = 2                      # v2: full cache identity, typed payload table (docs/reuse.md)
 SUPPORTED_ATTENTION = ("dense",)
 SPARSE_ATTENTION = ("block-sparse", "sparse", "vertical-slash", "minference")
 DEFAULT_QUALITY_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "modeld")  # profile_gate's <cache>/quality
 SPARSE_BLOCK = 64                         # block-sparse prefill: tokens per query/key block (the kernels' default)
-UNSUPPORTED_MODES = [
-    "topology: tensor / pipeline parallel",
-    "sliding-window attention",
-]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -421,6 +420,9 @@ class Engine:
         self._decode_task: asyncio.Task | None = None
         self._running_prefills = 0
         self.decode_kernel = "torch-reference"
+        # decode kernel choice (_try_decode_kernel), instance state passed to the model in AttnMetadata
+        self._decode_fn: Any = None
+        self._quant_dispatch = False
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
                           "prefix_cache_hits": 0, "tokens_computed_total": 0, "requests_total": 0,
                           "decode_steps_total": 0, "decode_batch_tokens_total": 0,
@@ -527,8 +529,10 @@ class Engine:
         a = self.model.args
         cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
                              self.kv.block_size, device=self.kv.k.device)
-        return Engine(self.model, self.tokenizer, cache, cfg, dict(self.identity, kv_dtype=cfg.kv, **(identity or {})),
-                      settings or dataclasses.replace(self.settings))
+        e = Engine(self.model, self.tokenizer, cache, cfg, dict(self.identity, kv_dtype=cfg.kv, **(identity or {})),
+                   settings or dataclasses.replace(self.settings))
+        e._try_decode_kernel()        # its own kernel choice, for its own KV format and settings
+        return e
 
     def _try_decode_kernel(self) -> None:
         """Validate kernels.dispatch.paged_decode against model.py's torch path; route decode through it when
@@ -536,8 +540,7 @@ class Engine:
         segmented torch path, the one prefill uses: a decoded token's K/V are then the bits a later prefill of the
         same tokens computes (exact reuse; docs/reuse.md), which no separate decode kernel promises."""
         from .model import paged_attention
-        use_decode_kernel(None)
-        use_quant_decode_dispatch(False)
+        self._decode_fn, self._quant_dispatch = None, False
         mode = self.settings.decode_attention
         if self.kv.fmt.quantized:
             from .kernels import dispatch
@@ -545,7 +548,7 @@ class Engine:
                 self.decode_kernel = (f"torch segmented (model._segmented_attention over the dequantized "
                                       f"{self.kv.fmt.quant} cache; chunking-invariant)")
                 return
-            use_quant_decode_dispatch(True)
+            self._quant_dispatch = True
             self.decode_kernel = (f"kernels.dispatch.quant_paged_decode ({self.kv.fmt.quant}, "
                                   f"{dispatch.get_backend(self.kv.k.device)})")
             return
@@ -577,7 +580,7 @@ class Engine:
                 raise errors.Fatal(f"MODELD_DECODE_ATTENTION=dispatch but {self.decode_kernel}") from e
             return
         if mode == "dispatch" or (mode == "auto" and dev.type == "cuda"):
-            use_decode_kernel(fn)
+            self._decode_fn = fn
             self.decode_kernel = f"kernels.dispatch.paged_decode ({dispatch.get_backend(dev)}; validated)"
         else:
             self.decode_kernel = ("torch segmented (model._segmented_attention; chunking-invariant); "
@@ -895,7 +898,8 @@ class Engine:
         slots = torch.tensor([tables[b][p // bs] * bs + p % bs for b, p in enumerate(positions)], dtype=torch.long)
         meta = AttnMetadata(kind="decode", slot_mapping=slots.to(dev), block_tables=bt.to(dev),
                             seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_list=seq,
-                            block_size=bs, contiguous=[_contig_start(t, n) for t, n in zip(tables, nblks, strict=True)])
+                            block_size=bs, contiguous=[_contig_start(t, n) for t, n in zip(tables, nblks, strict=True)],
+                            decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch)
         return self.model(torch.tensor(toks, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta).cpu()
 
@@ -1346,7 +1350,7 @@ class Engine:
                 pad = -(len(SNAPSHOT_MAGIC) + 12 + len(hb)) % 64
                 hb += b" " * pad
                 head = SNAPSHOT_MAGIC + struct.pack("<IQ", SNAPSHOT_VERSION, len(hb)) + hb
-                size, digest = _write_atomic(path, [head] + [_tensor_view(t) for _, t in tensors])
+                size, digest = write_atomic(path, [head] + [tensor_view(t) for _, t in tensors])
                 return {"path": path, "bytes": size, "sha256": digest, "version": SNAPSHOT_VERSION,
                         "session_tokens": len(s.tokens), "kv_tokens": s.kv_len, "identity": header["identity"]}
 
@@ -1373,8 +1377,8 @@ class Engine:
         if not os.path.isfile(path):
             raise self._err(errors.NotFound(f"snapshot {path} not found", path=path))
         try:
-            header, buf, base = await asyncio.to_thread(_read_snapshot, path)
-        except _SnapshotError as e:
+            header, buf, base = await asyncio.to_thread(read_snapshot, path)
+        except SnapshotError as e:
             raise self._err(errors.BadRequest(f"snapshot {path} refused: {e}", path=path, **e.details)) from None
         except OSError as e:
             raise self._err(errors.BadRequest(f"snapshot {path} refused: unreadable: {e}", path=path)) from None
@@ -1428,11 +1432,11 @@ class Engine:
             s.blocks, s.hashes = [], []
             s.tokens, s.kv_len, s.logits = [], 0, None
             self._grow(s, len(toks))
-            k, v, *sc = (_buffer_tensor(buf, base + table[n]["offset"], *spec[n]) for n in spec)
+            k, v, *sc = (buffer_tensor(buf, base + table[n]["offset"], *spec[n]) for n in spec)
             scales = (sc[0], sc[1]) if sc else None
             logits = None
             if sess.get("has_logits"):
-                logits = _buffer_tensor(buf, base + table["logits"]["offset"], torch.float32,
+                logits = buffer_tensor(buf, base + table["logits"]["offset"], torch.float32,
                                         (self.vocab_size,)).clone()
             _, cancelled = await self._torch(self.kv.write_tokens, s.blocks, k, v, scales)
             s.tokens, s.kv_len, s.logits = toks, kv_len, logits
@@ -1448,198 +1452,17 @@ class Engine:
                      restore_ms=ms, reuse={"hit": False, "source": "snapshot", "tokens_restored": kv_len,
                                            "bytes_read": len(buf), "blocks_written": len(s.blocks)})
 
-    # ---- introspection
+    # ---- introspection (capability.py)
 
     def capability(self) -> dict:
-        a = self.model.args
-        kvs = self.kv.stats()
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        rss = None
-        try:
-            with open("/proc/self/status") as f:
-                rss = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            pass
-        return {
-            "context_tier": self.context_tier,
-            "model_max_context": a.max_seq_len,
-            "kv": {"precision": self.kv.fmt.name, "storage": str(self.kv.fmt.storage).removeprefix("torch."),
-                   "scales": self.kv.fmt.scales,
-                   "block_size": self.kv.block_size,
-                   "bytes_per_token": self.kv.bytes_per_token, "budget_bytes": self.kv.budget_bytes,
-                   "max_tokens_in_budget": self.kv.max_tokens, "num_blocks": kvs["num_blocks"],
-                   "free_blocks": kvs["free_blocks"], "usage_ratio": kvs["usage_ratio"],
-                   "full_context_sessions": self.kv.max_tokens // self.context_tier},
-            "memory": {"weights_bytes": weights_bytes, "kv_budget_bytes": self.kv.budget_bytes, "rss_bytes": rss},
-            "runtime": {"backend": self.identity["backend"], "version": __version__, "torch": torch.__version__,
-                        "device": str(self.kv.k.device), "threads": torch.get_num_threads(),
-                        "weights_dtype": self.config.weights, "weights_requested": self.config.weights_storage,
-                        "prefill_chunk": self.settings.prefill_chunk,
-                        "max_decode_batch": self.settings.max_decode_batch},
-            "model": {"name": self.identity["model_name"], "family": self.identity["model_family"],
-                      "format": self.identity["model_format"], "digest": self.identity["model_digest"],
-                      "source_sha256": self.identity["source_sha256"], "params": self.identity["params"],
-                      "architecture": a.arch, "layers": a.n_layers, "hidden": a.dim, "heads": a.n_heads,
-                      "kv_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-                      "tokenizer_hash": self.identity["tokenizer_hash"],
-                      "template_hash": self.identity["template_hash"],
-                      "adapter": self.identity.get("adapter") or None},
-            "attention": {"mode": "block-sparse" if self.sparse else "dense",
-                          "requested": self.config.attention_requested,
-                          "prefill": ("torch segmented flash (CPU; chunking-invariant)"
-                                      if self.kv.k.device.type == "cpu" else "torch sdpa")
-                          + ("; past blocks dequantized per chunk" if self.kv.fmt.quantized else ""),
-                          "decode": self.decode_kernel,
-                          "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": self.settings.sparse_min_tokens,
-                                     "max_density": self.settings.sparse_max_density,
-                                     "keep_ratio": self.settings.sparse_keep_ratio,
-                                     "max_keep_tokens": self.settings.sparse_max_keep_tokens,
-                                     "scope": (f"one chunk per prefill with >= min_tokens keys (past + new) and >= "
-                                               f"{sparse_ref.DENSE_BELOW_QUERIES} new tokens, fresh or after cached "
-                                               "tokens"),
-                                     **self.sparse_stats}
-                          if self.sparse else None},
-            "prefix_reuse": "cross-session" if self.config.prefix_reuse else "off",
-            "reuse": self.reuse_report(),
-            "snapshot": {"version": SNAPSHOT_VERSION, "supported": True},
-            "sampling": {"greedy": True, "temperature": [0, 10], "top_p": "(0, 1]", "top_k": [0, a.vocab_size],
-                         "seed": True, "stop_strings": True},
-            "quality": {"gated": [v["profile"] for v in self.quality],
-                        "reference": "the same weights with fp32 KV and dense attention",
-                        "verdicts": self.quality},
-            "unsupported": list(UNSUPPORTED_MODES),
-            "ready": self.ready,
-        }
+        return capability.capability(self)
 
     def reuse_report(self) -> dict:
         """Prefix reuse as the capability report shows it."""
-        idx = self.kv.index
-        return {"enabled": self.config.prefix_reuse,
-                "scope": "cross-session" if self.config.prefix_reuse else "off",
-                "block_size": self.kv.block_size, "cached_blocks": len(idx),
-                "cached_tokens": len(idx) * self.kv.block_size, "evictable_blocks": idx.evictable,
-                "evictions": idx.evictions, "identity_key_fields": list(IDENTITY_KEY_FIELDS),
-                "identity_root": self._root.hex(), "eviction": "LRU over unreferenced cached blocks",
-                "exactness": self.reuse_exactness(),
-                "exactness_probe": self.model.chunking_probe or "passed: rows are invariant on this CPU's kernels",
-                "prefill_tok_s_measured": round(r, 1) if (r := self._prefill_rate()) else None}
+        return capability.reuse_report(self)
 
     def reuse_exactness(self) -> str:
-        """'bitwise' when this engine's attention and matmuls are chunking-invariant (the CPU torch path: reused,
-        branched, restored or decoded K/V are the bits a cold prefill computes; docs/reuse.md) AND the probe measured
-        it on this CPU's kernels (model.probe_chunking_invariance), else 'tolerance'."""
-        if (chunking_invariant(self.kv.k.device) and not self.sparse and self.settings.decode_attention != "dispatch"
-                and self.model.chunking_probe is None):
-            return "bitwise"
-        return "tolerance"
+        return capability.reuse_exactness(self)
 
     def metrics(self) -> dict:
-        running = len(self._decode_reqs) + self._running_prefills
-        return {
-            "num_requests_running": running,
-            "num_requests_waiting": max(0, len(self._decode_reqs) - self.settings.max_decode_batch),
-            "kv_cache_usage_perc": self.kv.usage_ratio,
-            "sessions": len(self._sessions),
-            **self._counters,
-            "prefix_cache_evictions": self.kv.index.evictions,
-            "prefix_cache_blocks": len(self.kv.index),
-            "prefix_cache_evictable_blocks": self.kv.index.evictable,
-            "errors_total": dict(self._errors),
-            "ready": self.ready,
-            "cache_config_info": {"block_size": self.kv.block_size, "num_blocks": self.kv.num_blocks,
-                                  "kv_dtype": self.kv.fmt.name, "context_tier": self.context_tier},
-        }
-
-
-class _SnapshotError(Exception):
-    def __init__(self, msg: str, **details: Any) -> None:
-        super().__init__(msg)
-        self.details = details
-
-
-def _tensor_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a CPU tensor without copying (bf16/fp16 through an int16 view, fp8 through uint8: numpy has
-    neither)."""
-    t = t.contiguous().cpu()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        t = t.view(torch.int16)
-    elif t.dtype == torch.float8_e4m3fn:
-        t = t.view(torch.uint8)
-    return memoryview(t.numpy()).cast("B")
-
-
-def _buffer_tensor(buf: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over ``buf`` (no copy)."""
-    n = math.prod(shape)
-    if dtype in (torch.bfloat16, torch.float16):
-        return torch.frombuffer(buf, dtype=torch.int16, count=n, offset=offset).view(dtype).reshape(shape)
-    if dtype == torch.float8_e4m3fn:
-        return torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset).view(dtype).reshape(shape)
-    return torch.frombuffer(buf, dtype=dtype, count=n, offset=offset).reshape(shape)
-
-
-def _write_chunk(f: Any, b: Any) -> None:
-    f.write(b)
-
-
-def _write_atomic(path: str, parts: Sequence[Any]) -> tuple[int, str]:
-    """Write parts + their sha256 to ``path``: tmp file beside it, fsync, os.replace, fsync the directory.
-    Returns (bytes, sha256 hex). On any failure the tmp file is removed and ``path`` is untouched."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    h = hashlib.sha256()
-    size = 0
-    try:
-        with open(tmp, "wb") as f:
-            for p in parts:
-                h.update(p)
-                _write_chunk(f, p)
-                size += memoryview(p).nbytes
-            digest = h.digest()
-            _write_chunk(f, digest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):                 # make the rename durable (not every filesystem allows it)
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return size + 32, digest.hex()
-
-
-def _read_snapshot(path: str) -> tuple[dict, bytearray, int]:
-    """Read and verify a snapshot file in one go: (header, whole file buffer, payload offset). _SnapshotError names
-    what is wrong: magic, version, checksum (corrupt or truncated), header."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        got = f.readinto(buf)
-    if got != size:
-        raise _SnapshotError(f"short read ({got} of {size} bytes)")
-    head = len(SNAPSHOT_MAGIC) + 12
-    if size < head + 32 or not buf.startswith(SNAPSHOT_MAGIC):
-        raise _SnapshotError("not a modeld snapshot (bad magic or too short)")
-    version, hlen = struct.unpack_from("<IQ", buf, len(SNAPSHOT_MAGIC))
-    if version != SNAPSHOT_VERSION:
-        raise _SnapshotError(f"snapshot format version {version}, this worker reads version {SNAPSHOT_VERSION} "
-                             "(re-create the snapshot with this worker)", version=version,
-                             supported=SNAPSHOT_VERSION)
-    mv = memoryview(buf)
-    if hashlib.sha256(mv[:-32]).digest() != bytes(mv[-32:]):
-        raise _SnapshotError("checksum mismatch: the file is corrupt or truncated")
-    if head + hlen > size - 32:
-        raise _SnapshotError("header length points past the end of the file")
-    try:
-        header = json.loads(bytes(mv[head : head + hlen]))
-    except ValueError as e:
-        raise _SnapshotError(f"unreadable header: {e}") from None
-    if not isinstance(header, dict):
-        raise _SnapshotError("header is not a JSON object")
-    return header, buf, head + hlen
+        return capability.metrics(self)

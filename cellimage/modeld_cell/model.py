@@ -123,20 +123,19 @@ class AttnMetadata:
     contiguous: list[int | None] = field(default_factory=list)
     sparse: dict | None = None
     sparse_log: list[dict] = field(default_factory=list)
+    # The engine's kernel choice for decode, carried per forward (model.py holds no mutable module state):
+    # fn(q, k_cache, v_cache, block_tables, seq_lens, scale) -> out [B, Hq, D], i.e. a validated
+    # ``kernels.dispatch.paged_decode``; None = the zero-copy torch path (on CPU it reads each session's contiguous
+    # block run as a strided view, ~3x faster than gathering blocks).
+    decode_kernel: Callable[..., Tensor] | None = None
+    # a quantized cache decodes through ``dispatch.quant_paged_decode`` on CPU too (MODELD_DECODE_ATTENTION=dispatch);
+    # by default the CPU dequantizes into _segmented_attention like a prefill. Always the fused kernel off the CPU.
+    quant_decode_dispatch: bool = False
 
 
-# Set by ``use_decode_kernel``: fn(q, k_cache, v_cache, block_tables, seq_lens, scale) -> out [B, Hq, D], i.e. a
-# validated ``kernels.dispatch.paged_decode``; None = the zero-copy torch path below (on CPU it reads each session's
-# contiguous block run as a strided view, ~3x faster than gathering blocks).
-_DECODE_KERNEL: Callable[..., Tensor] | None = None
 # Present since torch 2.3: flash attention on CPU that also returns the natural-log LSE, needed to merge the
 # unmasked past part and the causal new-token part of a prefill chunk exactly.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-# Set by ``use_quant_decode_dispatch``: a quantized cache decodes through ``dispatch.quant_paged_decode`` on CPU
-# too (MODELD_DECODE_ATTENTION=dispatch); by default the CPU dequantizes into _segmented_attention like a prefill.
-_QUANT_DECODE_DISPATCH = False
 
 
 def chunking_invariant(device: torch.device) -> bool:
@@ -182,16 +181,6 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
                 return (f"{name} ({w.dtype}): the rows of a {m}-row matmul differ from the same rows of a {rows}-row "
                         "one on this CPU")
     return None
-
-
-def use_decode_kernel(fn: Callable[..., Tensor] | None) -> None:
-    global _DECODE_KERNEL
-    _DECODE_KERNEL = fn
-
-
-def use_quant_decode_dispatch(on: bool) -> None:
-    global _QUANT_DECODE_DISPATCH
-    _QUANT_DECODE_DISPATCH = on
 
 
 def _past_kv(cache: Tensor, meta: AttnMetadata, b: int, n: int) -> Tensor:
@@ -328,11 +317,11 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
     scale = 1.0 / math.sqrt(d)
     ks, vs = scales if scales is not None else (None, None)
     cpu = chunking_invariant(q.device)
-    if meta.kind == "decode" and ks is not None and vs is not None and (not cpu or _QUANT_DECODE_DISPATCH):
+    if meta.kind == "decode" and ks is not None and vs is not None and (not cpu or meta.quant_decode_dispatch):
         return dispatch.quant_paged_decode(q, k_cache, v_cache, ks, vs, meta.block_tables, meta.seq_lens,
                                            sm_scale=scale, check_tables=False)
-    if meta.kind == "decode" and _DECODE_KERNEL is not None:
-        return _DECODE_KERNEL(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    if meta.kind == "decode" and meta.decode_kernel is not None:
+        return meta.decode_kernel(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     if meta.kind == "decode":
         out = torch.empty_like(q)
         for b, s in enumerate(meta.seq_lens_list):

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-import modeld_cell.engine as E
+import modeld_cell.snapshot as E  # the file format: constants and the write hook
 from modeld_cell import errors
 
 from .cellutil import generate, greedy_reference

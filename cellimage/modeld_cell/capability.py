@@ -1,0 +1,126 @@
+"""What an engine reports about itself: the capability report (GET /v1/capability), prefix reuse's part of it, and
+the counters behind /metrics. Read-only views of the engine's parts; nothing here changes state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import __version__
+from .kernels.sparse_prefill import reference as sparse_ref
+from .model import chunking_invariant
+from .prefix_index import IDENTITY_KEY_FIELDS
+from .snapshot import SNAPSHOT_VERSION
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+# Modes no cell of this worker serves (the capability's "unsupported"); spec values it refuses are modeld_api.served's.
+UNSUPPORTED_MODES = [
+    "topology: tensor / pipeline parallel",
+    "sliding-window attention",
+]
+
+
+def capability(e: Engine) -> dict:
+    from .engine import SPARSE_BLOCK
+
+    a = e.model.args
+    kvs = e.kv.stats()
+    weights_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
+    rss = None
+    try:
+        with open("/proc/self/status") as f:
+            rss = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "context_tier": e.context_tier,
+        "model_max_context": a.max_seq_len,
+        "kv": {"precision": e.kv.fmt.name, "storage": str(e.kv.fmt.storage).removeprefix("torch."),
+               "scales": e.kv.fmt.scales,
+               "block_size": e.kv.block_size,
+               "bytes_per_token": e.kv.bytes_per_token, "budget_bytes": e.kv.budget_bytes,
+               "max_tokens_in_budget": e.kv.max_tokens, "num_blocks": kvs["num_blocks"],
+               "free_blocks": kvs["free_blocks"], "usage_ratio": kvs["usage_ratio"],
+               "full_context_sessions": e.kv.max_tokens // e.context_tier},
+        "memory": {"weights_bytes": weights_bytes, "kv_budget_bytes": e.kv.budget_bytes, "rss_bytes": rss},
+        "runtime": {"backend": e.identity["backend"], "version": __version__, "torch": torch.__version__,
+                    "device": str(e.kv.k.device), "threads": torch.get_num_threads(),
+                    "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
+                    "prefill_chunk": e.settings.prefill_chunk,
+                    "max_decode_batch": e.settings.max_decode_batch},
+        "model": {"name": e.identity["model_name"], "family": e.identity["model_family"],
+                  "format": e.identity["model_format"], "digest": e.identity["model_digest"],
+                  "source_sha256": e.identity["source_sha256"], "params": e.identity["params"],
+                  "architecture": a.arch, "layers": a.n_layers, "hidden": a.dim, "heads": a.n_heads,
+                  "kv_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
+                  "tokenizer_hash": e.identity["tokenizer_hash"],
+                  "template_hash": e.identity["template_hash"],
+                  "adapter": e.identity.get("adapter") or None},
+        "attention": {"mode": "block-sparse" if e.sparse else "dense",
+                      "requested": e.config.attention_requested,
+                      "prefill": ("torch segmented flash (CPU; chunking-invariant)"
+                                  if e.kv.k.device.type == "cpu" else "torch sdpa")
+                      + ("; past blocks dequantized per chunk" if e.kv.fmt.quantized else ""),
+                      "decode": e.decode_kernel,
+                      "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": e.settings.sparse_min_tokens,
+                                 "max_density": e.settings.sparse_max_density,
+                                 "keep_ratio": e.settings.sparse_keep_ratio,
+                                 "max_keep_tokens": e.settings.sparse_max_keep_tokens,
+                                 "scope": (f"one chunk per prefill with >= min_tokens keys (past + new) and >= "
+                                           f"{sparse_ref.DENSE_BELOW_QUERIES} new tokens, fresh or after cached "
+                                           "tokens"),
+                                 **e.sparse_stats}
+                      if e.sparse else None},
+        "prefix_reuse": "cross-session" if e.config.prefix_reuse else "off",
+        "reuse": reuse_report(e),
+        "snapshot": {"version": SNAPSHOT_VERSION, "supported": True},
+        "sampling": {"greedy": True, "temperature": [0, 10], "top_p": "(0, 1]", "top_k": [0, a.vocab_size],
+                     "seed": True, "stop_strings": True},
+        "quality": {"gated": [v["profile"] for v in e.quality],
+                    "reference": "the same weights with fp32 KV and dense attention",
+                    "verdicts": e.quality},
+        "unsupported": list(UNSUPPORTED_MODES),
+        "ready": e.ready,
+    }
+
+def reuse_report(e: Engine) -> dict:
+    """Prefix reuse as the capability report shows it."""
+    idx = e.kv.index
+    return {"enabled": e.config.prefix_reuse,
+            "scope": "cross-session" if e.config.prefix_reuse else "off",
+            "block_size": e.kv.block_size, "cached_blocks": len(idx),
+            "cached_tokens": len(idx) * e.kv.block_size, "evictable_blocks": idx.evictable,
+            "evictions": idx.evictions, "identity_key_fields": list(IDENTITY_KEY_FIELDS),
+            "identity_root": e._root.hex(), "eviction": "LRU over unreferenced cached blocks",
+            "exactness": reuse_exactness(e),
+            "exactness_probe": e.model.chunking_probe or "passed: rows are invariant on this CPU's kernels",
+            "prefill_tok_s_measured": round(r, 1) if (r := e._prefill_rate()) else None}
+
+def reuse_exactness(e: Engine) -> str:
+    """'bitwise' when this engine's attention and matmuls are chunking-invariant (the CPU torch path: reused,
+    branched, restored or decoded K/V are the bits a cold prefill computes; docs/reuse.md) AND the probe measured
+    it on this CPU's kernels (model.probe_chunking_invariance), else 'tolerance'."""
+    if (chunking_invariant(e.kv.k.device) and not e.sparse and e.settings.decode_attention != "dispatch"
+            and e.model.chunking_probe is None):
+        return "bitwise"
+    return "tolerance"
+
+def metrics(e: Engine) -> dict:
+    running = len(e._decode_reqs) + e._running_prefills
+    return {
+        "num_requests_running": running,
+        "num_requests_waiting": max(0, len(e._decode_reqs) - e.settings.max_decode_batch),
+        "kv_cache_usage_perc": e.kv.usage_ratio,
+        "sessions": len(e._sessions),
+        **e._counters,
+        "prefix_cache_evictions": e.kv.index.evictions,
+        "prefix_cache_blocks": len(e.kv.index),
+        "prefix_cache_evictable_blocks": e.kv.index.evictable,
+        "errors_total": dict(e._errors),
+        "ready": e.ready,
+        "cache_config_info": {"block_size": e.kv.block_size, "num_blocks": e.kv.num_blocks,
+                              "kv_dtype": e.kv.fmt.name, "context_tier": e.context_tier},
+    }
