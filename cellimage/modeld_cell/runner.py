@@ -1,0 +1,128 @@
+"""The model runner of the torch backend: builds the attention metadata for a forward, owns the decode-kernel
+choice as instance state, and calls the model (vLLM's model runner, in small). One runner per engine; a CUDA / Triton
+backend is another runner with the same three methods, not branches inside the engine.
+
+    prefill(tokens, start, blocks, sparse) -> (logits [V] fp32 cpu, t_start, sparse_log)
+    decode(toks, positions, tables)        -> logits [B, V] fp32 cpu
+    choose_decode_kernel(mode)             -> validates kernels.dispatch and records what decode runs
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from . import errors
+from .kv_cache import PagedKVCache
+from .model import AttnMetadata, Transformer
+
+
+def contig_start(blocks: Sequence[int], nblk: int) -> int | None:
+    """First block id when blocks[:nblk] are consecutive ids (attention can use a zero-copy view), else None."""
+    if nblk == 0:
+        return None
+    b0 = blocks[0]
+    for i in range(1, nblk):
+        if blocks[i] != b0 + i:
+            return None
+    return b0
+
+
+class TorchRunner:
+    def __init__(self, model: Transformer, kv: PagedKVCache) -> None:
+        self.model, self.kv = model, kv
+        self.decode_kernel = "torch-reference"          # what decode runs, in words (the capability report)
+        self._decode_fn: Callable[..., Tensor] | None = None   # a validated dispatch.paged_decode, or None
+        self._quant_dispatch = False                    # quantized decode through dispatch.quant_paged_decode on CPU
+
+    def choose_decode_kernel(self, mode: str) -> None:
+        """Validate kernels.dispatch.paged_decode against model.py's torch path; route decode through it when
+        ``mode`` (MODELD_DECODE_ATTENTION) says so ("dispatch"), or by default ("auto") on CUDA. On CPU "auto" keeps model.py's
+        segmented torch path, the one prefill uses: a decoded token's K/V are then the bits a later prefill of the
+        same tokens computes (exact reuse; docs/reuse.md), which no separate decode kernel promises."""
+        from .model import paged_attention
+        self._decode_fn, self._quant_dispatch = None, False
+        if self.kv.fmt.quantized:
+            from .kernels import dispatch
+            if self.kv.k.device.type == "cpu" and mode != "dispatch":
+                self.decode_kernel = (f"torch segmented (model._segmented_attention over the dequantized "
+                                      f"{self.kv.fmt.quant} cache; chunking-invariant)")
+                return
+            self._quant_dispatch = True
+            self.decode_kernel = (f"kernels.dispatch.quant_paged_decode ({self.kv.fmt.quant}, "
+                                  f"{dispatch.get_backend(self.kv.k.device)})")
+            return
+        try:
+            from .kernels import dispatch
+
+            def fn(q, kc, vc, bt, sl, scale):  # noqa: ANN001, ANN202  (the seam's signature)
+                return dispatch.paged_decode(q, kc, vc, bt, sl, sm_scale=scale, check_tables=False)
+
+            g = torch.Generator().manual_seed(0)
+            a = self.model.args
+            hkv, d, bs = a.n_kv_heads, a.head_dim, self.kv.block_size
+            dev = self.kv.k.device
+            kc = torch.randn(6, bs, hkv, d, generator=g).to(device=dev, dtype=self.kv.fmt.storage)
+            vc = torch.randn(6, bs, hkv, d, generator=g).to(device=dev, dtype=self.kv.fmt.storage)
+            q = torch.randn(2, a.n_heads, d, generator=g).to(device=dev, dtype=self.model.tok_embeddings.weight.dtype)
+            bt = torch.tensor([[4, 1, 3], [0, 5, 2]], dtype=torch.int32, device=dev)
+            sl = torch.tensor([37, 17], dtype=torch.int32, device=dev)
+            meta = AttnMetadata("decode", torch.zeros(2, dtype=torch.long), bt, sl, [37, 17], bs, [None, None])
+            ref = paged_attention(q, kc[0, :2], vc[0, :2], kc, vc, meta)
+            out = fn(q, kc, vc, bt, sl, 1.0 / math.sqrt(d))
+            tol = 1e-4 if q.dtype == torch.float32 else 2e-2
+            err = float((out.float() - ref.float()).abs().max())
+            if not err <= tol:
+                raise ValueError(f"disagrees with the torch path: max abs diff {err:.3g} > {tol}")
+        except Exception as e:  # absent, or broken: the torch path in model.py serves
+            self.decode_kernel = f"torch (model.paged_attention); kernels.dispatch unusable: {type(e).__name__}: {e}"
+            if mode == "dispatch":
+                raise errors.Fatal(f"MODELD_DECODE_ATTENTION=dispatch but {self.decode_kernel}") from e
+            return
+        if mode == "dispatch" or (mode == "auto" and dev.type == "cuda"):
+            self._decode_fn = fn
+            self.decode_kernel = f"kernels.dispatch.paged_decode ({dispatch.get_backend(dev)}; validated)"
+        else:
+            self.decode_kernel = ("torch segmented (model._segmented_attention; chunking-invariant); "
+                                  "kernels.dispatch.paged_decode validated but not used on CPU")
+
+    def prefill(self, tokens: list[int], start: int, blocks: list[int],
+                sparse: dict | None = None) -> tuple[Tensor, float, list[dict]]:
+        """tokens at positions [start, start+T) of a session with block table ``blocks``, block-sparse with the
+        settings ``sparse`` (None: dense). Returns (logits [V] fp32 cpu, start time, per-layer sparse log)."""
+        t_start = time.perf_counter()
+        dev = self.kv.k.device
+        end = start + len(tokens)
+        nblk = self.kv.blocks_for(end)
+        meta = AttnMetadata(
+            kind="prefill", slot_mapping=self.kv.slots(blocks, start, end).to(dev),
+            block_tables=torch.tensor([blocks[:nblk]], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=dev), seq_lens_list=[end],
+            block_size=self.kv.block_size, contiguous=[contig_start(blocks, nblk)])
+        meta.sparse = sparse
+        toks = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos = torch.arange(start, end, device=dev)
+        logits = self.model(toks, pos, self.kv, meta, torch.tensor([len(tokens) - 1], device=dev))
+        return logits[0].cpu(), t_start, meta.sparse_log
+
+    def decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> Tensor:
+        """One token per session: toks[b] at positions[b]. Returns logits [B, V] fp32 (cpu)."""
+        dev = self.kv.k.device
+        seq = [p + 1 for p in positions]
+        nblks = [self.kv.blocks_for(s) for s in seq]
+        width = max(nblks)
+        bt = torch.zeros(len(toks), width, dtype=torch.int32)
+        for b, t in enumerate(tables):
+            bt[b, : nblks[b]] = torch.tensor(t[: nblks[b]], dtype=torch.int32)
+        bs = self.kv.block_size
+        slots = torch.tensor([tables[b][p // bs] * bs + p % bs for b, p in enumerate(positions)], dtype=torch.long)
+        meta = AttnMetadata(kind="decode", slot_mapping=slots.to(dev), block_tables=bt.to(dev),
+                            seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_list=seq,
+                            block_size=bs, contiguous=[contig_start(t, n) for t, n in zip(tables, nblks, strict=True)],
+                            decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch)
+        return self.model(torch.tensor(toks, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta).cpu()
