@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import struct
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, capability, errors
+from . import __version__, capability, errors, snapshot
 from .config import _DTYPES, SPARSE_ATTENTION, SPARSE_BLOCK, CellConfig, EngineSettings
 from .contract import DecodeEvent, SamplingParams, Trace
 from .kernels.sparse_prefill import reference as sparse_ref
@@ -47,15 +46,6 @@ from .model import (
 )
 from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
 from .runner import TorchRunner
-from .snapshot import (
-    SNAPSHOT_MAGIC,
-    SNAPSHOT_VERSION,
-    SnapshotError,
-    buffer_tensor,
-    read_snapshot,
-    tensor_view,
-    write_atomic,
-)
 from .tokenizer import Tokenizer, common_prefix
 
 # The engine's public names; the contract types and the config live in contract.py / config.py and are re-exported.
@@ -995,142 +985,12 @@ class Engine:
         return ident
 
     async def snapshot(self, session_id: str, path: str) -> dict:
-        """Write the session (K/V, token ids, identity, accounting) to ``path`` atomically: a temporary file in the
-        same directory, fsync, ``os.replace``, fsync of the directory. A failure leaves any earlier file at
-        ``path`` as it was and no partial file under that name.
-
-        File (v2): MAGIC(16) | u32 version | u64 header length | header JSON (space-padded so the payload starts
-        64-byte aligned) | payload tensors as the header's table lists them | sha256(32) of everything before it.
-        """
-        t0 = time.perf_counter()
-        self._check_ready()
-        s = self._session(session_id)
-        self._claim(s, "snapshot")
-        try:
-            def work() -> dict:
-                a = self.model.args
-                k, v = self.kv.read_tokens(s.blocks, s.kv_len)           # k, v: [L, kv_len, Hkv, D] (copies)
-                tensors = [("k", k), ("v", v)]
-                if (sc := self.kv.read_scales(s.blocks, s.kv_len)) is not None:  # quantized: fp16 scales
-                    tensors += [("k_scale", sc[0]), ("v_scale", sc[1])]
-                tensors += [("logits", s.logits.float())] if s.logits is not None else []
-                table, off = [], 0
-                for name, t in tensors:
-                    n = t.numel() * t.element_size()
-                    table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                  "offset": off, "bytes": n})
-                    off += n
-                header = {"version": SNAPSHOT_VERSION, "identity": self._snapshot_identity(),
-                          "session": {"tokens": s.tokens, "kv_len": s.kv_len, "totals": s.totals,
-                                      "has_logits": s.logits is not None, "vocab_size": self.vocab_size,
-                                      "kv_layout": [a.n_layers, s.kv_len, a.n_kv_heads, a.head_dim]},
-                          "payload": table, "payload_bytes": off, "writer": f"modeld {__version__}",
-                          "created": time.time()}
-                hb = json.dumps(header, separators=(",", ":")).encode()
-                pad = -(len(SNAPSHOT_MAGIC) + 12 + len(hb)) % 64
-                hb += b" " * pad
-                head = SNAPSHOT_MAGIC + struct.pack("<IQ", SNAPSHOT_VERSION, len(hb)) + hb
-                size, digest = write_atomic(path, [head] + [tensor_view(t) for _, t in tensors])
-                return {"path": path, "bytes": size, "sha256": digest, "version": SNAPSHOT_VERSION,
-                        "session_tokens": len(s.tokens), "kv_tokens": s.kv_len, "identity": header["identity"]}
-
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, work)
-            try:
-                info = await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                await asyncio.wait({fut})
-                raise
-            info["write_ms"] = _ms(t0)
-            return info
-        except OSError as e:
-            raise self._err(errors.BadRequest(f"cannot write snapshot to {path}: {e}", path=path)) from e
-        finally:
-            s.busy = None
+        """Write the session to ``path`` atomically (snapshot.write_session; format: snapshot.py, docs/reuse.md)."""
+        return await snapshot.write_session(self, session_id, path)
 
     async def restore(self, session_id: str, path: str) -> Trace:
-        """Load a snapshot into ``session_id`` (replacing what it held). Refuses foreign, corrupt, truncated or
-        other-version files with BadRequest, a missing one with NotFound, one beyond the tier or the budget with
-        Overflow; on any error the session is untouched. The file is read in one go into a buffer, verified, and
-        its K/V copied into the session's blocks with one indexed copy per tensor (no per-token work)."""
-        t0 = time.perf_counter()
-        self._check_ready()
-        if not os.path.isfile(path):
-            raise self._err(errors.NotFound(f"snapshot {path} not found", path=path))
-        try:
-            header, buf, base = await asyncio.to_thread(read_snapshot, path)
-        except SnapshotError as e:
-            raise self._err(errors.BadRequest(f"snapshot {path} refused: {e}", path=path, **e.details)) from None
-        except OSError as e:
-            raise self._err(errors.BadRequest(f"snapshot {path} refused: unreadable: {e}", path=path)) from None
-
-        def bad(msg: str, **kw: Any) -> errors.BadRequest:
-            return self._err(errors.BadRequest(f"snapshot {path} refused: {msg}", path=path, **kw))
-
-        mine, theirs = self._snapshot_identity(), header.get("identity") or {}
-        diff = {k: {"snapshot": theirs.get(k), "engine": v} for k, v in mine.items() if theirs.get(k) != v}
-        if diff:
-            raise bad("foreign snapshot (identity differs: " + ", ".join(sorted(diff)) + ")", mismatch=diff)
-        try:
-            sess = header["session"]
-            toks = self._validate_tokens(sess["tokens"], "snapshot tokens")
-            kv_len = int(sess["kv_len"])
-            table = {t["name"]: t for t in header["payload"]}
-            spec = self.kv.payload_spec(kv_len)                          # {name: (dtype, shape)} as stored here
-            for name, (dt, shp) in spec.items():
-                t, want = table[name], str(dt).removeprefix("torch.")
-                if tuple(t["shape"]) != shp or t["dtype"] != want:
-                    hint = (" (written with fp32 KV scales, before they became fp16; recompute the session)"
-                            if name.endswith("_scale") and t["dtype"] == "float32" else "")
-                    raise bad(f"tensor {name} is {t['dtype']}{t['shape']}, expected {want}{list(shp)}{hint}")
-            if sess.get("has_logits") and (tuple(table["logits"]["shape"]) != (self.vocab_size,)
-                                           or table["logits"]["dtype"] != "float32"):
-                raise bad("logits do not match the vocabulary")
-            ends = [base + t["offset"] + t["bytes"] for t in table.values()]
-            if max(ends, default=base) > len(buf) - 32:
-                raise bad("payload table points past the end of the file")
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, errors.ContractError):
-                raise
-            raise bad(f"malformed header: {type(e).__name__}: {e}") from None
-        if not len(toks) - 1 <= kv_len <= len(toks) or kv_len < 0:
-            raise bad(f"kv_len {kv_len} inconsistent with {len(toks)} tokens")
-        if len(toks) > self.context_tier:
-            raise self._err(errors.Overflow(f"snapshot holds {len(toks)} tokens, beyond the context tier "
-                                            f"{self.context_tier}", session_id=session_id))
-        s = self._sessions.get(session_id)
-        if s is not None and s.busy is not None:
-            self._claim(s, "restore")
-        released = sum(1 for b in s.blocks if self.kv.ref[b] == 1) if s is not None else 0
-        self._fits(self.kv.blocks_for(len(toks)), released=released)
-        # ---- commit (nothing below can fail on input)
-        if s is None:
-            s = _Session(session_id)
-            self._sessions[session_id] = s
-        self._claim(s, "restore")
-        try:
-            self.kv.free(s.blocks[::-1])
-            s.blocks, s.hashes = [], []
-            s.tokens, s.kv_len, s.logits = [], 0, None
-            self._grow(s, len(toks))
-            k, v, *sc = (buffer_tensor(buf, base + table[n]["offset"], *spec[n]) for n in spec)
-            scales = (sc[0], sc[1]) if sc else None
-            logits = None
-            if sess.get("has_logits"):
-                logits = buffer_tensor(buf, base + table["logits"]["offset"], torch.float32,
-                                        (self.vocab_size,)).clone()
-            _, cancelled = await self._torch(self.kv.write_tokens, s.blocks, k, v, scales)
-            s.tokens, s.kv_len, s.logits = toks, kv_len, logits
-            s.totals = {k2: int(sess["totals"].get(k2, 0)) for k2 in s.totals}
-            self._register(s)
-            if cancelled:
-                raise asyncio.CancelledError()
-        finally:
-            s.busy = None
-        ms = _ms(t0)
-        return Trace(session_id=s.id, tokens_reused=0, session_tokens=len(s.tokens),
-                     kv_bytes=len(s.blocks) * self.kv.block_bytes, total_ms=ms, totals=dict(s.totals),
-                     restore_ms=ms, reuse={"hit": False, "source": "snapshot", "tokens_restored": kv_len,
-                                           "bytes_read": len(buf), "blocks_written": len(s.blocks)})
+        """Load a snapshot into ``session_id``; refusals leave the session untouched (snapshot.restore_session)."""
+        return await snapshot.restore_session(self, session_id, path)
 
     # ---- introspection (capability.py)
 

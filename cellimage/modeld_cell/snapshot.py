@@ -7,16 +7,28 @@ header (identity, session, payload table) and checks identity and shapes on rest
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
 import math
 import os
 import struct
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from . import __version__, errors
+from .contract import Trace
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 3)
+
 
 SNAPSHOT_MAGIC = b"MODELD-SNAPSHOT\x00"   # 16 bytes
 SNAPSHOT_VERSION = 2                      # v2: full cache identity, typed payload table (docs/reuse.md)
@@ -114,3 +126,147 @@ def read_snapshot(path: str) -> tuple[dict, bytearray, int]:
     if not isinstance(header, dict):
         raise SnapshotError("header is not a JSON object")
     return header, buf, head + hlen
+
+
+# ---- the engine side: a session written and read back (the header is built here, K/V go through the cache)
+
+
+async def write_session(eng: Engine, session_id: str, path: str) -> dict:
+    """Write the session (K/V, token ids, identity, accounting) to ``path`` atomically: a temporary file in the
+    same directory, fsync, ``os.replace``, fsync of the directory. A failure leaves any earlier file at
+    ``path`` as it was and no partial file under that name.
+
+    File (v2): MAGIC(16) | u32 version | u64 header length | header JSON (space-padded so the payload starts
+    64-byte aligned) | payload tensors as the header's table lists them | sha256(32) of everything before it.
+    """
+    t0 = time.perf_counter()
+    eng._check_ready()
+    s = eng._session(session_id)
+    eng._claim(s, "snapshot")
+    try:
+        def work() -> dict:
+            a = eng.model.args
+            k, v = eng.kv.read_tokens(s.blocks, s.kv_len)           # k, v: [L, kv_len, Hkv, D] (copies)
+            tensors = [("k", k), ("v", v)]
+            if (sc := eng.kv.read_scales(s.blocks, s.kv_len)) is not None:  # quantized: fp16 scales
+                tensors += [("k_scale", sc[0]), ("v_scale", sc[1])]
+            tensors += [("logits", s.logits.float())] if s.logits is not None else []
+            table, off = [], 0
+            for name, t in tensors:
+                n = t.numel() * t.element_size()
+                table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                              "offset": off, "bytes": n})
+                off += n
+            header = {"version": SNAPSHOT_VERSION, "identity": eng._snapshot_identity(),
+                      "session": {"tokens": s.tokens, "kv_len": s.kv_len, "totals": s.totals,
+                                  "has_logits": s.logits is not None, "vocab_size": eng.vocab_size,
+                                  "kv_layout": [a.n_layers, s.kv_len, a.n_kv_heads, a.head_dim]},
+                      "payload": table, "payload_bytes": off, "writer": f"modeld {__version__}",
+                      "created": time.time()}
+            hb = json.dumps(header, separators=(",", ":")).encode()
+            pad = -(len(SNAPSHOT_MAGIC) + 12 + len(hb)) % 64
+            hb += b" " * pad
+            head = SNAPSHOT_MAGIC + struct.pack("<IQ", SNAPSHOT_VERSION, len(hb)) + hb
+            size, digest = write_atomic(path, [head] + [tensor_view(t) for _, t in tensors])
+            return {"path": path, "bytes": size, "sha256": digest, "version": SNAPSHOT_VERSION,
+                    "session_tokens": len(s.tokens), "kv_tokens": s.kv_len, "identity": header["identity"]}
+
+        fut = asyncio.get_running_loop().run_in_executor(eng._executor, work)
+        try:
+            info = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait({fut})
+            raise
+        info["write_ms"] = _ms(t0)
+        return info
+    except OSError as e:
+        raise eng._err(errors.BadRequest(f"cannot write snapshot to {path}: {e}", path=path)) from e
+    finally:
+        s.busy = None
+
+async def restore_session(eng: Engine, session_id: str, path: str) -> Trace:
+    """Load a snapshot into ``session_id`` (replacing what it held). Refuses foreign, corrupt, truncated or
+    other-version files with BadRequest, a missing one with NotFound, one beyond the tier or the budget with
+    Overflow; on any error the session is untouched. The file is read in one go into a buffer, verified, and
+    its K/V copied into the session's blocks with one indexed copy per tensor (no per-token work)."""
+    t0 = time.perf_counter()
+    eng._check_ready()
+    if not os.path.isfile(path):
+        raise eng._err(errors.NotFound(f"snapshot {path} not found", path=path))
+    try:
+        header, buf, base = await asyncio.to_thread(read_snapshot, path)
+    except SnapshotError as e:
+        raise eng._err(errors.BadRequest(f"snapshot {path} refused: {e}", path=path, **e.details)) from None
+    except OSError as e:
+        raise eng._err(errors.BadRequest(f"snapshot {path} refused: unreadable: {e}", path=path)) from None
+
+    def bad(msg: str, **kw: Any) -> errors.BadRequest:
+        return eng._err(errors.BadRequest(f"snapshot {path} refused: {msg}", path=path, **kw))
+
+    mine, theirs = eng._snapshot_identity(), header.get("identity") or {}
+    diff = {k: {"snapshot": theirs.get(k), "engine": v} for k, v in mine.items() if theirs.get(k) != v}
+    if diff:
+        raise bad("foreign snapshot (identity differs: " + ", ".join(sorted(diff)) + ")", mismatch=diff)
+    try:
+        sess = header["session"]
+        toks = eng._validate_tokens(sess["tokens"], "snapshot tokens")
+        kv_len = int(sess["kv_len"])
+        table = {t["name"]: t for t in header["payload"]}
+        spec = eng.kv.payload_spec(kv_len)                          # {name: (dtype, shape)} as stored here
+        for name, (dt, shp) in spec.items():
+            t, want = table[name], str(dt).removeprefix("torch.")
+            if tuple(t["shape"]) != shp or t["dtype"] != want:
+                hint = (" (written with fp32 KV scales, before they became fp16; recompute the session)"
+                        if name.endswith("_scale") and t["dtype"] == "float32" else "")
+                raise bad(f"tensor {name} is {t['dtype']}{t['shape']}, expected {want}{list(shp)}{hint}")
+        if sess.get("has_logits") and (tuple(table["logits"]["shape"]) != (eng.vocab_size,)
+                                       or table["logits"]["dtype"] != "float32"):
+            raise bad("logits do not match the vocabulary")
+        ends = [base + t["offset"] + t["bytes"] for t in table.values()]
+        if max(ends, default=base) > len(buf) - 32:
+            raise bad("payload table points past the end of the file")
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, errors.ContractError):
+            raise
+        raise bad(f"malformed header: {type(e).__name__}: {e}") from None
+    if not len(toks) - 1 <= kv_len <= len(toks) or kv_len < 0:
+        raise bad(f"kv_len {kv_len} inconsistent with {len(toks)} tokens")
+    if len(toks) > eng.context_tier:
+        raise eng._err(errors.Overflow(f"snapshot holds {len(toks)} tokens, beyond the context tier "
+                                        f"{eng.context_tier}", session_id=session_id))
+    s = eng._sessions.get(session_id)
+    if s is not None and s.busy is not None:
+        eng._claim(s, "restore")
+    released = sum(1 for b in s.blocks if eng.kv.ref[b] == 1) if s is not None else 0
+    eng._fits(eng.kv.blocks_for(len(toks)), released=released)
+    # ---- commit (nothing below can fail on input)
+    if s is None:
+        from .engine import _Session  # the engine's session record (runtime import: engine imports this module)
+
+        s = _Session(session_id)
+        eng._sessions[session_id] = s
+    eng._claim(s, "restore")
+    try:
+        eng.kv.free(s.blocks[::-1])
+        s.blocks, s.hashes = [], []
+        s.tokens, s.kv_len, s.logits = [], 0, None
+        eng._grow(s, len(toks))
+        k, v, *sc = (buffer_tensor(buf, base + table[n]["offset"], *spec[n]) for n in spec)
+        scales = (sc[0], sc[1]) if sc else None
+        logits = None
+        if sess.get("has_logits"):
+            logits = buffer_tensor(buf, base + table["logits"]["offset"], torch.float32,
+                                    (eng.vocab_size,)).clone()
+        _, cancelled = await eng._torch(eng.kv.write_tokens, s.blocks, k, v, scales)
+        s.tokens, s.kv_len, s.logits = toks, kv_len, logits
+        s.totals = {k2: int(sess["totals"].get(k2, 0)) for k2 in s.totals}
+        eng._register(s)
+        if cancelled:
+            raise asyncio.CancelledError()
+    finally:
+        s.busy = None
+    ms = _ms(t0)
+    return Trace(session_id=s.id, tokens_reused=0, session_tokens=len(s.tokens),
+                 kv_bytes=len(s.blocks) * eng.kv.block_bytes, total_ms=ms, totals=dict(s.totals),
+                 restore_ms=ms, reuse={"hit": False, "source": "snapshot", "tokens_restored": kv_len,
+                                       "bytes_read": len(buf), "blocks_written": len(s.blocks)})
