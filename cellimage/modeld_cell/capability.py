@@ -109,10 +109,10 @@ def reuse_exactness(e: Engine) -> str:
     return "tolerance"
 
 def metrics(e: Engine) -> dict:
-    running = len(e._decode_reqs) + e._running_prefills
+    running = len(e.scheduler.reqs) + e._running_prefills
     return {
         "num_requests_running": running,
-        "num_requests_waiting": max(0, len(e._decode_reqs) - e.settings.max_decode_batch),
+        "num_requests_waiting": max(0, len(e.scheduler.reqs) - e.settings.max_decode_batch),
         "kv_cache_usage_perc": e.kv.usage_ratio,
         "sessions": len(e._sessions),
         **e._counters,

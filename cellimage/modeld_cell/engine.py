@@ -46,6 +46,7 @@ from .model import (
 )
 from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
 from .runner import TorchRunner
+from .scheduler import DecodeReq, DecodeScheduler, _deadline_passed, sample_token
 from .tokenizer import Tokenizer, common_prefix
 
 # The engine's public names; the contract types and the config live in contract.py / config.py and are re-exported.
@@ -88,56 +89,12 @@ class _Plan:
     avail: int = 0                                  # blocks available once the session's own are released
 
 
-@dataclass
-class _DecodeReq:
-    session: _Session
-    params: SamplingParams
-    granted: int
-    stop_ids: set[int]
-    stop: list[str]
-    deadline: float | None
-    gen: torch.Generator | None
-    trace: Trace
-    t0: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    generated: list[int] = field(default_factory=list)
-    emitted: int = 0                       # characters of decoded text already sent
-    t_last: float = 0.0
-    cancelled: bool = False
-    done: bool = False
-
-
 def _now() -> float:
     return time.monotonic()
 
 
-def _deadline_passed(deadline: float | None) -> bool:
-    """Deadlines are absolute ``time.monotonic()`` seconds; values above 1e9 are read as ``time.time()`` epochs."""
-    if deadline is None:
-        return False
-    return (time.time() if deadline > 1e9 else time.monotonic()) >= deadline
-
-
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 3)
-
-
-def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """logits: [V] fp32. Greedy when temperature == 0, else temperature -> top-k -> top-p -> multinomial."""
-    if p.temperature == 0.0:
-        return int(torch.argmax(logits))
-    x = logits / p.temperature
-    if 0 < p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sx, idx = torch.sort(x, descending=True)
-        probs = torch.softmax(sx, -1)
-        drop = (torch.cumsum(probs, -1) - probs) > p.top_p   # keep the smallest head whose mass reaches top_p
-        sx = sx.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, idx, sx)
-    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -168,8 +125,7 @@ class Engine:
         # one torch thread; its intra-op pool is sized there too (OpenMP thread counts are per calling thread)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-torch",
                                             initializer=torch.set_num_threads, initargs=(self.settings.threads,))
-        self._decode_reqs: list[_DecodeReq] = []
-        self._decode_task: asyncio.Task | None = None
+        self.scheduler = DecodeScheduler(self)       # the batched decode loop (scheduler.py)
         self._running_prefills = 0
         self.runner = TorchRunner(model, kv)           # builds attention metadata, owns the decode kernel choice
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
@@ -285,8 +241,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the decode loop and the torch thread (tests, process exit)."""
-        if self._decode_task is not None:
-            self._decode_task.cancel()
+        self.scheduler.shutdown()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     # ---- small helpers
@@ -800,7 +755,7 @@ class Engine:
         if params.temperature > 0:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else
                                                 int.from_bytes(os.urandom(8), "little") >> 1)
-        req = _DecodeReq(session=s, params=params, granted=granted, stop_ids=stop_ids, stop=stop, deadline=deadline,
+        req = DecodeReq(session=s, params=params, granted=granted, stop_ids=stop_ids, stop=stop, deadline=deadline,
                          gen=gen, trace=trace, t0=t0)
         try:
             if granted > 0 and s.logits is None and s.kv_len == len(s.tokens):
@@ -813,12 +768,9 @@ class Engine:
                     raise
             self._grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
             if granted == 0:
-                self._finish(req, "length")
+                self.scheduler.finish(req, "length")
             else:
-                self._decode_reqs.append(req)
-                t = self._decode_task
-                if t is None or t.done() or t.get_loop() is not asyncio.get_running_loop():
-                    self._decode_task = asyncio.get_running_loop().create_task(self._decode_loop())
+                self.scheduler.submit(req)
             while True:
                 ev = await req.queue.get()
                 if isinstance(ev, BaseException):
@@ -835,118 +787,6 @@ class Engine:
                     except asyncio.CancelledError:
                         continue
             s.busy = None
-
-    # ---- the decode loop
-
-    def _emit(self, req: _DecodeReq, tok: int) -> None:
-        """Record a sampled token in the session (pending: no K/V yet) and send its event or finish."""
-        s = req.session
-        now = time.perf_counter()
-        if not req.generated:
-            req.trace.first_output_ms = round((now - req.t0) * 1e3, 3)
-        else:
-            req.trace.decode_ms_per_token.append(round((now - req.t_last) * 1e3, 3))
-        req.t_last = now
-        req.generated.append(tok)
-        s.tokens.append(tok)
-        s.logits = None
-        self._counters["generation_tokens_total"] += 1
-        if tok in req.stop_ids:
-            self._finish(req, "stop")
-            return
-        text = self.tokenizer.decode(req.generated)
-        if req.stop:
-            lo = max(0, req.emitted - max(len(x) for x in req.stop))
-            hits = [i for i in (text.find(x, lo) for x in req.stop) if i >= 0]
-            if hits:
-                cut = min(hits)
-                if cut > req.emitted:
-                    req.queue.put_nowait(DecodeEvent(token_id=tok, text=text[req.emitted:cut]))
-                    req.emitted = cut
-                self._finish(req, "stop")
-                return
-        safe = len(text)
-        while safe > req.emitted and text[safe - 1] == "\ufffd":   # bytes of an unfinished UTF-8 character
-            safe -= 1
-        for x in req.stop:                                           # hold back a possible stop-string prefix
-            for k in range(min(len(x) - 1, safe - req.emitted), 0, -1):
-                if text[safe - k : safe] == x[:k]:
-                    safe -= k
-                    break
-        req.queue.put_nowait(DecodeEvent(token_id=tok, text=text[req.emitted:safe]))
-        req.emitted = safe
-        if len(req.generated) >= req.granted:
-            self._finish(req, "length")
-
-    def _finish(self, req: _DecodeReq, reason: str | None, error: errors.ContractError | None = None) -> None:
-        if req.done:
-            return
-        req.done = True
-        s = req.session
-        if req in self._decode_reqs:
-            self._decode_reqs.remove(req)
-        self._trim_blocks(s)
-        tail = ""
-        if reason == "length" and req.generated:
-            text = self.tokenizer.decode(req.generated)
-            tail, req.emitted = text[req.emitted:], len(text)
-        tr = self._trace(s, req.t0, completion_tokens=len(req.generated), clamped=req.trace.clamped,
-                         first_output_ms=req.trace.first_output_ms,
-                         decode_ms_per_token=req.trace.decode_ms_per_token)
-        if error is not None:
-            error.details.update(partial_output=self.tokenizer.decode(req.generated), token_ids=list(req.generated),
-                                 completion_tokens=len(req.generated), trace=tr.to_dict())
-            req.queue.put_nowait(error)
-        elif reason is not None:
-            req.queue.put_nowait(DecodeEvent(text=tail, done=True, finish_reason=reason, trace=tr))
-        req.finished.set()
-
-    async def _decode_loop(self) -> None:
-        try:
-            await self._decode_steps()
-        except Exception as e:  # a bug here must not leave consumers waiting forever
-            err = self._fatal(e)
-            for r in list(self._decode_reqs):
-                self._finish(r, None, errors.Fatal(err.message))
-
-    async def _decode_steps(self) -> None:
-        while self._decode_reqs:
-            for r in list(self._decode_reqs):
-                if r.cancelled:
-                    self._finish(r, None)
-                elif _deadline_passed(r.deadline):
-                    self._finish(r, None, self._err(errors.Timeout(
-                        f"deadline passed after {len(r.generated)} generated tokens", session_id=r.session.id)))
-            for r in list(self._decode_reqs):            # sample where logits are known
-                s = r.session
-                if s.logits is not None and s.kv_len == len(s.tokens):
-                    self._emit(r, sample_token(s.logits, r.params, r.gen))
-            batch = [r for r in self._decode_reqs if r.session.kv_len == len(r.session.tokens) - 1]
-            batch = batch[: self.settings.max_decode_batch]
-            if not batch:
-                await asyncio.sleep(0)
-                continue
-            toks = [r.session.tokens[-1] for r in batch]
-            pos = [r.session.kv_len for r in batch]
-            tables = [list(r.session.blocks) for r in batch]
-            try:
-                logits, _ = await self._torch(self._forward_decode, toks, pos, tables)
-            except errors.Fatal as e:
-                for r in list(self._decode_reqs):
-                    self._finish(r, None, errors.Fatal(e.message))
-                return
-            self._counters["decode_steps_total"] += 1
-            self._counters["decode_batch_tokens_total"] += len(batch)
-            for i, r in enumerate(batch):
-                r.session.kv_len += 1
-                r.session.logits = logits[i]
-                self._register(r.session)
-            # rotate so a batch cap never starves the same requests
-            if len(self._decode_reqs) > len(batch):
-                for r in batch:
-                    if r in self._decode_reqs:
-                        self._decode_reqs.remove(r)
-                        self._decode_reqs.append(r)
 
     # ---- sessions
 

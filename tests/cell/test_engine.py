@@ -292,7 +292,7 @@ async def test_seeded_sampling_reproducible_and_stop_string(engine):
 
 
 async def test_deadline_timeout_reports_partial_output(engine, monkeypatch):
-    import modeld_cell.engine as E
+    import modeld_cell.scheduler as E  # the decode loop checks deadlines
     ids = engine.tokenizer.encode("List the planets of the solar system: Mercury,")
     await engine.ensure_prefix("dl", ids)
     # a deadline already passed: Timeout before any token, session untouched

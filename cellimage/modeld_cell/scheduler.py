@@ -1,0 +1,198 @@
+"""The decode scheduler: every decode request of every session joins one loop that runs a single batched forward
+per step (continuous batching: a request joins or leaves between steps), with deadlines, cancellation, stop tokens
+and stop strings, and the per-token events a request's consumer reads.
+
+The engine (its facade) validates a decode, reserves its blocks and ``submit``s it; the scheduler samples, emits,
+finishes and trims. It holds the engine as ``self.e`` for the parts it drives: the session records, the runner's
+decode forward on the torch thread, the counters and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import errors
+from .contract import DecodeEvent, SamplingParams, Trace
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _deadline_passed(deadline: float | None) -> bool:
+    """Deadlines are absolute ``time.monotonic()`` seconds; values above 1e9 are read as ``time.time()`` epochs."""
+    if deadline is None:
+        return False
+    return (time.time() if deadline > 1e9 else time.monotonic()) >= deadline
+
+
+@dataclass
+class DecodeReq:
+    session: Any            # engine._Session
+    params: SamplingParams
+    granted: int
+    stop_ids: set[int]
+    stop: list[str]
+    deadline: float | None
+    gen: torch.Generator | None
+    trace: Trace
+    t0: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    generated: list[int] = field(default_factory=list)
+    emitted: int = 0                       # characters of decoded text already sent
+    t_last: float = 0.0
+    cancelled: bool = False
+    done: bool = False
+
+
+def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """logits: [V] fp32. Greedy when temperature == 0, else temperature -> top-k -> top-p -> multinomial."""
+    if p.temperature == 0.0:
+        return int(torch.argmax(logits))
+    x = logits / p.temperature
+    if 0 < p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sx, idx = torch.sort(x, descending=True)
+        probs = torch.softmax(sx, -1)
+        drop = (torch.cumsum(probs, -1) - probs) > p.top_p   # keep the smallest head whose mass reaches top_p
+        sx = sx.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, idx, sx)
+    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
+
+
+
+
+class DecodeScheduler:
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        self.reqs: list[DecodeReq] = []          # running decode requests, in rotation order
+        self.task: asyncio.Task | None = None    # the loop, on the event loop that first decoded
+
+    def submit(self, req: DecodeReq) -> None:
+        """Join the loop (starting it on this event loop if it is not running there)."""
+        self.reqs.append(req)
+        t = self.task
+        if t is None or t.done() or t.get_loop() is not asyncio.get_running_loop():
+            self.task = asyncio.get_running_loop().create_task(self._loop())
+
+    def shutdown(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+    def emit(self, req: DecodeReq, tok: int) -> None:
+        """Record a sampled token in the session (pending: no K/V yet) and send its event or finish."""
+        s = req.session
+        now = time.perf_counter()
+        if not req.generated:
+            req.trace.first_output_ms = round((now - req.t0) * 1e3, 3)
+        else:
+            req.trace.decode_ms_per_token.append(round((now - req.t_last) * 1e3, 3))
+        req.t_last = now
+        req.generated.append(tok)
+        s.tokens.append(tok)
+        s.logits = None
+        self.e._counters["generation_tokens_total"] += 1
+        if tok in req.stop_ids:
+            self.finish(req, "stop")
+            return
+        text = self.e.tokenizer.decode(req.generated)
+        if req.stop:
+            lo = max(0, req.emitted - max(len(x) for x in req.stop))
+            hits = [i for i in (text.find(x, lo) for x in req.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                if cut > req.emitted:
+                    req.queue.put_nowait(DecodeEvent(token_id=tok, text=text[req.emitted:cut]))
+                    req.emitted = cut
+                self.finish(req, "stop")
+                return
+        safe = len(text)
+        while safe > req.emitted and text[safe - 1] == "\ufffd":   # bytes of an unfinished UTF-8 character
+            safe -= 1
+        for x in req.stop:                                           # hold back a possible stop-string prefix
+            for k in range(min(len(x) - 1, safe - req.emitted), 0, -1):
+                if text[safe - k : safe] == x[:k]:
+                    safe -= k
+                    break
+        req.queue.put_nowait(DecodeEvent(token_id=tok, text=text[req.emitted:safe]))
+        req.emitted = safe
+        if len(req.generated) >= req.granted:
+            self.finish(req, "length")
+
+    def finish(self, req: DecodeReq, reason: str | None, error: errors.ContractError | None = None) -> None:
+        if req.done:
+            return
+        req.done = True
+        s = req.session
+        if req in self.reqs:
+            self.reqs.remove(req)
+        self.e._trim_blocks(s)
+        tail = ""
+        if reason == "length" and req.generated:
+            text = self.e.tokenizer.decode(req.generated)
+            tail, req.emitted = text[req.emitted:], len(text)
+        tr = self.e._trace(s, req.t0, completion_tokens=len(req.generated), clamped=req.trace.clamped,
+                         first_output_ms=req.trace.first_output_ms,
+                         decode_ms_per_token=req.trace.decode_ms_per_token)
+        if error is not None:
+            error.details.update(partial_output=self.e.tokenizer.decode(req.generated), token_ids=list(req.generated),
+                                 completion_tokens=len(req.generated), trace=tr.to_dict())
+            req.queue.put_nowait(error)
+        elif reason is not None:
+            req.queue.put_nowait(DecodeEvent(text=tail, done=True, finish_reason=reason, trace=tr))
+        req.finished.set()
+
+    async def _loop(self) -> None:
+        try:
+            await self._steps()
+        except Exception as e:  # a bug here must not leave consumers waiting forever
+            err = self.e._fatal(e)
+            for r in list(self.reqs):
+                self.finish(r, None, errors.Fatal(err.message))
+
+    async def _steps(self) -> None:
+        while self.reqs:
+            for r in list(self.reqs):
+                if r.cancelled:
+                    self.finish(r, None)
+                elif _deadline_passed(r.deadline):
+                    self.finish(r, None, self.e._err(errors.Timeout(
+                        f"deadline passed after {len(r.generated)} generated tokens", session_id=r.session.id)))
+            for r in list(self.reqs):            # sample where logits are known
+                s = r.session
+                if s.logits is not None and s.kv_len == len(s.tokens):
+                    self.emit(r, sample_token(s.logits, r.params, r.gen))
+            batch = [r for r in self.reqs if r.session.kv_len == len(r.session.tokens) - 1]
+            batch = batch[: self.e.settings.max_decode_batch]
+            if not batch:
+                await asyncio.sleep(0)
+                continue
+            toks = [r.session.tokens[-1] for r in batch]
+            pos = [r.session.kv_len for r in batch]
+            tables = [list(r.session.blocks) for r in batch]
+            try:
+                logits, _ = await self.e._torch(self.e._forward_decode, toks, pos, tables)
+            except errors.Fatal as e:
+                for r in list(self.reqs):
+                    self.finish(r, None, errors.Fatal(e.message))
+                return
+            self.e._counters["decode_steps_total"] += 1
+            self.e._counters["decode_batch_tokens_total"] += len(batch)
+            for i, r in enumerate(batch):
+                r.session.kv_len += 1
+                r.session.logits = logits[i]
+                self.e._register(r.session)
+            # rotate so a batch cap never starves the same requests
+            if len(self.reqs) > len(batch):
+                for r in batch:
+                    if r in self.reqs:
+                        self.reqs.remove(r)
+                        self.reqs.append(r)
