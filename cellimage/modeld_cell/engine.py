@@ -16,7 +16,7 @@ Session state
   ``logits`` are the next-token logits after ``tokens`` (only when ``kv_len == len(tokens)``; None when unknown, e.g.
   after a truncation -- decode then re-runs the last token).
   ``blocks`` may be shared with other sessions (refcounted; full blocks named in the cell's prefix index, see
-  prefix_index.py and docs/reuse.md): a session writes K/V only into blocks it holds alone (``_make_writable``).
+  prefix_index.py and docs/reuse.md): a session writes K/V only into blocks it holds alone (``blocks.BlockManager.make_writable``).
   ``hashes`` are the chain hashes of its first ``kv_len // BLOCK_SIZE`` blocks.
 """
 
@@ -30,12 +30,12 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import __version__, capability, errors, snapshot
+from .blocks import BlockManager, Plan, Session
 from .config import _DTYPES, SPARSE_ATTENTION, SPARSE_BLOCK, CellConfig, EngineSettings
 from .contract import DecodeEvent, SamplingParams, Trace
 from .kernels.sparse_prefill import reference as sparse_ref
@@ -44,10 +44,10 @@ from .model import (
     Transformer,
     probe_chunking_invariance,
 )
-from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, root_hash
+from .prefix_index import root_hash
 from .runner import TorchRunner
 from .scheduler import DecodeReq, DecodeScheduler, _deadline_passed, sample_token
-from .tokenizer import Tokenizer, common_prefix
+from .tokenizer import Tokenizer
 
 # The engine's public names; the contract types and the config live in contract.py / config.py and are re-exported.
 __all__ = ["SPARSE_BLOCK", "CellConfig", "DecodeEvent", "Engine", "EngineSettings", "SamplingParams", "Trace",
@@ -58,35 +58,6 @@ DEFAULT_QUALITY_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "modeld"
 
 # ----------------------------------------------------------------------------------------------------------------
 # Internal state
-
-
-@dataclass
-class _Session:
-    id: str
-    tokens: list[int] = field(default_factory=list)
-    kv_len: int = 0
-    blocks: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)  # chain hash of each full computed block (kv_len // BS of them)
-    logits: torch.Tensor | None = None     # [V] fp32, next-token logits after `tokens` (kv_len == len(tokens))
-    busy: str | None = None                # the running operation's name
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.time)
-    totals: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0,
-                                                  "tokens_reused": 0, "tokens_computed": 0})
-
-
-@dataclass
-class _Plan:
-    """How ensure_prefix serves a prompt: from the session's own KV, or from cached blocks of any session."""
-
-    keep: int                                       # prompt tokens reused
-    source: str | None = None                       # "session" | "prefix-cache" | None (miss)
-    shared: list[int] = field(default_factory=list)   # prefix-cache: full blocks shared (refcount + 1)
-    hashes: list[bytes] = field(default_factory=list)
-    cow_src: int | None = None                      # prefix-cache: block whose first cow_len slots are copied
-    cow_len: int = 0
-    need: int = 0                                   # blocks to allocate
-    avail: int = 0                                  # blocks available once the session's own are released
 
 
 def _now() -> float:
@@ -121,11 +92,12 @@ class Engine:
                                      "sliding-window attention is not implemented")
         self.context_tier = tier
         self.vocab_size = a.vocab_size
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         # one torch thread; its intra-op pool is sized there too (OpenMP thread counts are per calling thread)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-torch",
                                             initializer=torch.set_num_threads, initargs=(self.settings.threads,))
         self.scheduler = DecodeScheduler(self)       # the batched decode loop (scheduler.py)
+        self.blocks = BlockManager(self, kv)         # blocks, refcounts, prefix index, copy-on-write (blocks.py)
         self._running_prefills = 0
         self.runner = TorchRunner(model, kv)           # builds attention metadata, owns the decode kernel choice
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
@@ -265,20 +237,20 @@ class Engine:
             out.append(int(t))
         return out
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
         if s is None:
             raise self._err(errors.NotFound(f"session {session_id!r} not found", session_id=session_id))
         return s
 
-    def _claim(self, s: _Session, op: str) -> None:
+    def _claim(self, s: Session, op: str) -> None:
         if s.busy is not None:
             raise self._err(errors.Conflict(f"session {s.id!r} is busy ({s.busy} running); requests on one session "
                                             "are serialized", session_id=s.id, running=s.busy))
         s.busy = op
         s.last_used = time.time()
 
-    def _trace(self, s: _Session, t0: float, **kw: Any) -> Trace:
+    def _trace(self, s: Session, t0: float, **kw: Any) -> Trace:
         tr = Trace(session_id=s.id, **kw)
         tr.session_tokens = len(s.tokens)
         tr.kv_bytes = len(s.blocks) * self.kv.block_bytes
@@ -325,151 +297,11 @@ class Engine:
                 "ran": "dense" if sparse_layers == 0 else "block-sparse+dense", "reason": reason,
                 "chunks": len(att), "sparse_layers": sparse_layers, "layers": total_layers}
 
-    def _trim_blocks(self, s: _Session) -> None:
-        """Free blocks beyond what ``s.tokens`` needs (after a decode reservation or an interrupted prefill)."""
-        del s.hashes[s.kv_len // self.kv.block_size :]
-        keep = self.kv.blocks_for(len(s.tokens))
-        if len(s.blocks) > keep:
-            self.kv.free(s.blocks[keep:][::-1])        # tail first: it is evicted first
-            s.blocks = s.blocks[:keep]
-
-    def _truncate(self, s: _Session, n: int) -> None:
-        if n >= len(s.tokens) and s.kv_len == len(s.tokens):
-            return
-        s.tokens = s.tokens[:n]
-        s.kv_len = min(s.kv_len, n)
-        s.logits = None
-        self._trim_blocks(s)
-
-    def _grow(self, s: _Session, n_tokens: int) -> None:
-        """Make s.blocks cover n_tokens (caller checked the budget)."""
-        need = self.kv.blocks_for(n_tokens) - len(s.blocks)
-        if need > 0:
-            s.blocks.extend(self.kv.allocate(need, after=s.blocks[-1] if s.blocks else None))
-
-    def _fits(self, extra_blocks: int, released: int = 0) -> None:
-        if extra_blocks > self.kv.free_blocks + released:
-            raise self._err(errors.Overflow(
-                f"KV memory budget exhausted: need {extra_blocks} more blocks of {self.kv.block_size} tokens, "
-                f"{self.kv.free_blocks + released} available ({self.kv.budget_bytes >> 20} MiB budget, "
-                f"{len(self._sessions)} sessions)", needed_blocks=extra_blocks,
-                free_blocks=self.kv.free_blocks + released, budget_bytes=self.kv.budget_bytes))
-
-    # ---- prefix reuse (prefix_index.py; docs/reuse.md)
-
-    def reuse_key(self) -> dict[str, Any]:
-        """The cache identity: every field a block's K/V depends on. Hashed into the root of each block chain, and
-        compared field by field on restore."""
-        a = self.model.args
-        key: dict[str, Any] = {k: self.identity.get(k) for k in IDENTITY_KEY_FIELDS}
-        key["kv_layout"] = {"n_layers": a.n_layers, "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim}
-        key["block_size"] = self.kv.block_size
-        return key
-
-    def clear_prefix_cache(self) -> int:
-        """Drop every cached block no session references (benchmarks' cold start). Returns how many."""
-        return self.kv.clear_cache()
-
-    def _register(self, s: _Session) -> None:
-        """Name the session's newly completed full blocks in the index (after prefill chunks, decode steps, restore)."""
-        bs = self.kv.block_size
-        if not self.config.prefix_reuse or s.kv_len // bs <= len(s.hashes):
-            return
-        idx = self.kv.index
-        for i in range(len(s.hashes), s.kv_len // bs):
-            parent = s.hashes[-1] if s.hashes else self._root
-            blk = s.tokens[i * bs : (i + 1) * bs]
-            h = chain_hash(parent, blk)
-            s.hashes.append(h)
-            idx.register(s.blocks[i], h, parent, blk)
-
-    def _cow_candidate(self, h: bytes, m: int, want: list[int], exclude: _Session) -> tuple[int | None, int]:
-        """After m matched full blocks (chain hash h): the block whose first tokens match ``want`` longest, among
-        cached blocks continuing h and live sessions' blocks at index m. Returns (block, matching tokens)."""
-        if not want:
-            return None, 0
-        bs = self.kv.block_size
-        idx = self.kv.index
-        cands: list[tuple[int, Sequence[int]]] = [(b, idx.tokens(b)) for b in idx.children(h)]
-        for o in self._sessions.values():
-            if (o is not exclude and o.kv_len > m * bs and len(o.hashes) >= m and len(o.blocks) > m
-                    and (m == 0 or o.hashes[m - 1] == h)):
-                cands.append((o.blocks[m], o.tokens[m * bs : min(o.kv_len, (m + 1) * bs)]))
-        best, best_n = None, 0
-        for b, t in cands:
-            n = common_prefix(t, want)
-            if n > best_n:
-                best, best_n = b, n
-        return best, best_n
-
-    def _plan_prefix(self, s: _Session, toks: list[int]) -> _Plan:
-        """How ensure_prefix gets ``toks`` into s with the least compute; changes nothing. The session's own KV
-        (in place) wins ties; otherwise cached full blocks are shared and a mid-block divergence is copied."""
-        bs = self.kv.block_size
-        ref = self.kv.ref
-        # the session's own KV always continues; prefixReuse governs only the shared index below
-        own = common_prefix(s.tokens[: s.kv_len], toks)
-        plan = _Plan(keep=own, source="session" if own else None)
-        if self.config.prefix_reuse and len(toks) > 1:
-            cap = len(toks) - 1    # one token always runs: its logits start the decode and no shared slot is rewritten
-            shared: list[int] = []
-            hashes: list[bytes] = []
-            h = self._root
-            for i in range(cap // bs):
-                hi = chain_hash(h, toks[i * bs : (i + 1) * bs])
-                b = self.kv.index.lookup(hi)
-                if b is None:
-                    break
-                shared.append(b)
-                hashes.append(hi)
-                h = hi
-            m = len(shared) * bs
-            src, n = self._cow_candidate(h, len(shared), toks[m : min(cap, m + bs)], exclude=s)
-            if m + n > own:
-                plan = _Plan(keep=m + n, source="prefix-cache", shared=shared, hashes=hashes,
-                             cow_src=src if n else None, cow_len=n)
-        if plan.source == "prefix-cache":
-            held_now = set(plan.shared) | ({plan.cow_src} if plan.cow_src is not None else set())
-            plan.need = self.kv.blocks_for(len(toks)) - len(plan.shared)
-            plan.avail = (self.kv.free_blocks - sum(1 for b in held_now if ref[b] == 0)
-                          + sum(1 for b in s.blocks if b not in held_now and ref[b] == 1))
-        else:
-            kb = self.kv.blocks_for(plan.keep)
-            cow = int(plan.keep < len(toks) and plan.keep // bs < kb and ref[s.blocks[plan.keep // bs]] > 1)
-            plan.need = self.kv.blocks_for(len(toks)) - kb + cow
-            plan.avail = self.kv.free_blocks + sum(1 for b in s.blocks[kb:] if ref[b] == 1)
-        return plan
-
-    def _cow_need(self, s: _Session, pos: int) -> int:
-        """1 when writing at ``pos`` needs a private copy of a shared block first, else 0."""
-        i = pos // self.kv.block_size
-        return int(i < len(s.blocks) and self.kv.ref[s.blocks[i]] > 1)
-
-    async def _make_writable(self, s: _Session, pos: int) -> None:
-        """Before K/V is written at ``pos``: a block others share is copied (copy-on-write), a cached block only this
-        session holds is un-named (its content is about to change). Caller checked the budget (``_cow_need``)."""
-        bs = self.kv.block_size
-        i = pos // bs
-        del s.hashes[i:]
-        if i >= len(s.blocks):
-            return
-        b = s.blocks[i]
-        if self.kv.ref[b] > 1:
-            (nb,) = self.kv.allocate(1)
-            s.blocks[i] = nb
-            self.kv.free([b])
-            self._counters["prefix_cache_blocks_copied_total"] += 1
-            _, cancelled = await self._torch(self.kv.copy_block, b, nb, pos - i * bs)
-            if cancelled:
-                raise asyncio.CancelledError()
-        elif b in self.kv.index:
-            self.kv.forget(b)
-
     def _prefill_rate(self) -> float | None:
         """Measured prefill tokens/s of this engine so far (None before the first prefill)."""
         return self._prefill_tokens / self._prefill_s if self._prefill_s > 0 else None
 
-    def _reuse_info(self, plan: _Plan, lookup_ms: float) -> dict[str, Any]:
+    def _reuse_info(self, plan: Plan, lookup_ms: float) -> dict[str, Any]:
         rate = self._prefill_rate()
         return {"hit": plan.keep > 0, "source": plan.source, "tokens_reused": plan.keep,
                 "bytes_reused": plan.keep * self.kv.bytes_per_token, "blocks_shared": len(plan.shared),
@@ -503,6 +335,14 @@ class Engine:
             except Exception as e:
                 raise self._fatal(e) from e
 
+    def reuse_key(self) -> dict[str, Any]:
+        """The cache identity: every field a block's K/V depends on (blocks.BlockManager.reuse_key)."""
+        return self.blocks.reuse_key()
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached block no session references (benchmarks' cold start). Returns how many."""
+        return self.blocks.clear_prefix_cache()
+
     # ---- torch-thread work
 
     def _forward_prefill(self, tokens: list[int], start: int, blocks: list[int],
@@ -528,7 +368,7 @@ class Engine:
     def _forward_decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         return self.runner.decode(toks, positions, tables)
 
-    async def _prefill(self, s: _Session, new: list[int], deadline: float | None,
+    async def _prefill(self, s: Session, new: list[int], deadline: float | None,
                        att: list[dict] | None = None) -> tuple[float, float | None]:
         """Run ``new`` (appended after s.tokens[:s.kv_len]) through the model in chunks, committing each chunk.
 
@@ -561,7 +401,7 @@ class Engine:
                 s.tokens.extend(part)
                 s.kv_len = len(s.tokens)
                 s.logits = logits
-                self._register(s)
+                self.blocks.register(s)
                 self._prefill_tokens += len(part)
                 self._prefill_s += time.perf_counter() - t_job
                 if cancelled:
@@ -590,11 +430,11 @@ class Engine:
         s = self._sessions.get(session_id)
         new_session = s is None
         if s is None:
-            s = _Session(session_id)
+            s = Session(session_id)
         elif s.busy is not None:
             self._claim(s, "ensure_prefix")  # raises Conflict
         t_look = time.perf_counter()
-        plan = self._plan_prefix(s, toks)
+        plan = self.blocks.plan(s, toks)
         lookup_ms = _ms(t_look)
         keep = plan.keep
         nothing_to_do = keep == len(toks) == len(s.tokens) == s.kv_len
@@ -616,20 +456,20 @@ class Engine:
         att: list[dict] = []
         try:
             if plan.source == "prefix-cache":
-                await self._attach(s, toks, plan)
+                await self.blocks.attach(s, toks, plan)
             elif not nothing_to_do:
-                self._truncate(s, keep)
+                self.blocks.truncate(s, keep)
                 if keep < len(toks):
-                    await self._make_writable(s, keep)
+                    await self.blocks.make_writable(s, keep)
             if not nothing_to_do:
-                self._grow(s, len(toks))
+                self.blocks.grow(s, len(toks))
                 if s.kv_len < len(toks):
                     tr_kw["prefill_ms"], q = await self._prefill(s, toks[s.kv_len :], deadline, att)
                     tr_kw["queue_ms"] = q or 0.0
                 tr_kw["fallback"] = self._fallback(att)
         except BaseException:
             # Timeout / cancel: the session holds the chunks computed so far (a prefix of toks); give back the rest
-            self._trim_blocks(s)
+            self.blocks.trim(s)
             if new_session and s.kv_len <= keep:       # nothing computed: a new session is not created after all
                 self.kv.free(s.blocks[::-1])
                 s.blocks = []
@@ -638,29 +478,6 @@ class Engine:
         finally:
             s.busy = None
         return self._trace(s, t0, **tr_kw)
-
-    async def _attach(self, s: _Session, toks: list[int], plan: _Plan) -> None:
-        """Replace what s holds by the plan's shared blocks (+ a copied head of the divergence block); the caller
-        grows and prefills the rest. The copy source is held while the copy runs, so nothing evicts or rewrites it."""
-        src = plan.cow_src
-        self.kv.acquire(plan.shared + ([src] if src is not None else []))
-        old = s.blocks
-        s.blocks, s.hashes = list(plan.shared), list(plan.hashes)
-        s.tokens = toks[: len(plan.shared) * self.kv.block_size]
-        s.kv_len, s.logits = len(s.tokens), None
-        self.kv.free(old[::-1])
-        if src is None:
-            return
-        try:
-            self._grow(s, plan.keep)
-            _, cancelled = await self._torch(self.kv.copy_block, src, s.blocks[len(plan.shared)], plan.cow_len)
-        finally:
-            self.kv.free([src])
-        self._counters["prefix_cache_blocks_copied_total"] += 1
-        s.tokens = toks[: plan.keep]
-        s.kv_len = plan.keep
-        if cancelled:
-            raise asyncio.CancelledError()
 
     async def prefill_suffix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace:
         """Append ``tokens`` to the session. NotFound if absent; Overflow before any change; on Timeout or
@@ -677,7 +494,7 @@ class Engine:
                 f"session holds {len(s.tokens)} tokens; {len(toks)} more exceed the context tier of "
                 f"{self.context_tier}", session_id=session_id, session_tokens=len(s.tokens), tokens=len(toks),
                 context_tier=self.context_tier))
-        self._fits(self.kv.blocks_for(total) - len(s.blocks) + self._cow_need(s, s.kv_len))
+        self.blocks.fits(self.kv.blocks_for(total) - len(s.blocks) + self.blocks.cow_need(s, s.kv_len))
         self._claim(s, "prefill_suffix")
         self._counters["requests_total"] += 1
         before = (list(s.tokens), s.kv_len, s.logits)
@@ -686,15 +503,15 @@ class Engine:
         att: list[dict] = []
         try:
             if new:
-                await self._make_writable(s, s.kv_len)
-                self._grow(s, total)
+                await self.blocks.make_writable(s, s.kv_len)
+                self.blocks.grow(s, total)
                 tr_kw["prefill_ms"], q = await self._prefill(s, new, deadline, att)
                 tr_kw["queue_ms"] = q or 0.0
                 tr_kw["fallback"] = self._fallback(att)
         except BaseException:
             # roll back: slots past the old length may hold new K/V but nothing reads them; restore the bookkeeping
             s.tokens, s.kv_len, s.logits = before
-            self._trim_blocks(s)
+            self.blocks.trim(s)
             raise
         finally:
             s.busy = None
@@ -738,7 +555,7 @@ class Engine:
             granted, clamped = room, {"field": "max_tokens", "requested": max_tokens, "granted": room,
                                       "reason": "context tier"}
         rerun = s.logits is None and s.kv_len == len(s.tokens)        # the last token runs again first
-        cow = self._cow_need(s, s.kv_len - 1 if rerun else s.kv_len)
+        cow = self.blocks.cow_need(s, s.kv_len - 1 if rerun else s.kv_len)
         mem_room = (len(s.blocks) + self.kv.free_blocks - cow) * self.kv.block_size - len(s.tokens)
         if granted > mem_room:
             granted, clamped = mem_room, {"field": "max_tokens", "requested": max_tokens, "granted": mem_room,
@@ -762,11 +579,11 @@ class Engine:
                 s.kv_len -= 1                            # logits unknown: re-run the last token first
             if granted > 0:
                 try:
-                    await self._make_writable(s, s.kv_len)
+                    await self.blocks.make_writable(s, s.kv_len)
                 except BaseException:
                     req.done = True                      # never joined the decode loop: nothing to wait for
                     raise
-            self._grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
+            self.blocks.grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
             if granted == 0:
                 self.scheduler.finish(req, "length")
             else:

@@ -32,7 +32,7 @@ def _deadline_passed(deadline: float | None) -> bool:
 
 @dataclass
 class DecodeReq:
-    session: Any            # engine._Session
+    session: Any            # blocks.Session
     params: SamplingParams
     granted: int
     stop_ids: set[int]
@@ -134,7 +134,7 @@ class DecodeScheduler:
         s = req.session
         if req in self.reqs:
             self.reqs.remove(req)
-        self.e._trim_blocks(s)
+        self.e.blocks.trim(s)
         tail = ""
         if reason == "length" and req.generated:
             text = self.e.tokenizer.decode(req.generated)
@@ -189,7 +189,7 @@ class DecodeScheduler:
             for i, r in enumerate(batch):
                 r.session.kv_len += 1
                 r.session.logits = logits[i]
-                self.e._register(r.session)
+                self.e.blocks.register(r.session)
             # rotate so a batch cap never starves the same requests
             if len(self.reqs) > len(batch):
                 for r in batch:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import __version__, errors
+from .blocks import Session
 from .contract import Trace
 
 if TYPE_CHECKING:
@@ -238,19 +239,17 @@ async def restore_session(eng: Engine, session_id: str, path: str) -> Trace:
     if s is not None and s.busy is not None:
         eng._claim(s, "restore")
     released = sum(1 for b in s.blocks if eng.kv.ref[b] == 1) if s is not None else 0
-    eng._fits(eng.kv.blocks_for(len(toks)), released=released)
+    eng.blocks.fits(eng.kv.blocks_for(len(toks)), released=released)
     # ---- commit (nothing below can fail on input)
     if s is None:
-        from .engine import _Session  # the engine's session record (runtime import: engine imports this module)
-
-        s = _Session(session_id)
+        s = Session(session_id)
         eng._sessions[session_id] = s
     eng._claim(s, "restore")
     try:
         eng.kv.free(s.blocks[::-1])
         s.blocks, s.hashes = [], []
         s.tokens, s.kv_len, s.logits = [], 0, None
-        eng._grow(s, len(toks))
+        eng.blocks.grow(s, len(toks))
         k, v, *sc = (buffer_tensor(buf, base + table[n]["offset"], *spec[n]) for n in spec)
         scales = (sc[0], sc[1]) if sc else None
         logits = None
@@ -260,7 +259,7 @@ async def restore_session(eng: Engine, session_id: str, path: str) -> Trace:
         _, cancelled = await eng._torch(eng.kv.write_tokens, s.blocks, k, v, scales)
         s.tokens, s.kv_len, s.logits = toks, kv_len, logits
         s.totals = {k2: int(sess["totals"].get(k2, 0)) for k2 in s.totals}
-        eng._register(s)
+        eng.blocks.register(s)
         if cancelled:
             raise asyncio.CancelledError()
     finally:
