@@ -20,6 +20,7 @@ verify:  ## fail if generated files drifted
 lint:  ## ruff everywhere, mypy on the operator
 	.venv/bin/ruff check api operator cellimage tests hack benchmarks
 	.venv/bin/mypy
+	.venv/bin/mypy --ignore-missing-imports --follow-imports=silent cellimage/modeld_cell/server.py cellimage/modeld_cell/contract.py
 unit:  ## fast tests, no cluster, no model
 	$(PY) -m pytest -m unit
 kernels:  ## Triton kernels against their references (interpreter on CPU)

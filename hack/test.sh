@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 hack/setup.sh
 .venv/bin/ruff check api operator cellimage tests hack benchmarks
 .venv/bin/mypy
+# the worker's typed seam: the HTTP server against the engine Protocol (contract.SessionEngine)
+.venv/bin/mypy --ignore-missing-imports --follow-imports=silent cellimage/modeld_cell/server.py cellimage/modeld_cell/contract.py
 exec .venv/bin/python -m pytest "$@"

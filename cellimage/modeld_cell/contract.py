@@ -6,8 +6,9 @@ The HTTP server (server.py, schemas.py) and the engine share them; docs/engine-i
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from . import errors
 
@@ -78,3 +79,33 @@ class DecodeEvent:
     done: bool = False
     finish_reason: str | None = None
     trace: Trace | None = None
+
+
+class SessionEngine(Protocol):
+    """What the HTTP server (server.py) calls: the session contract and the reports. ``engine.Engine`` is the one
+    implementation; docs/engine-interface.md describes each call. Every method raises errors.ContractError
+    subclasses only (anything else is a bug: the server answers it as fatal and marks the worker not ready)."""
+
+    ready: bool
+    tokenizer: Any                    # tokenizer.Tokenizer: encode, decode, chat template, eos ids
+
+    async def ensure_prefix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace: ...
+
+    async def prefill_suffix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace: ...
+
+    def decode(self, session_id: str, params: SamplingParams, max_tokens: int, stop_token_ids: Sequence[int] = (),
+               stop: Sequence[str] = (), deadline: float | None = None) -> AsyncIterator[DecodeEvent]: ...
+
+    async def snapshot(self, session_id: str, path: str) -> dict: ...
+
+    async def restore(self, session_id: str, path: str) -> Trace: ...
+
+    def close_session(self, session_id: str) -> None: ...
+
+    def sessions(self) -> list[dict]: ...
+
+    def session_tokens(self, session_id: str) -> list[int]: ...
+
+    def capability(self) -> dict: ...
+
+    def metrics(self) -> dict: ...

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import openapi
 from . import schemas as s
+from .contract import SessionEngine
 from .errors import BadRequest, ContractError, Fatal, MethodNotAllowed, NotFound, NotReady, Overflow, Unsupported
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -53,10 +54,10 @@ LOG: Any = _RK("log", dict) if _RK else "log"
 class Worker:
     """Per-app state: the engine (None while loading), settings, metrics and the fatal flag."""
 
-    def __init__(self, settings: Settings, engine: Any = None, model_name: str = "") -> None:
+    def __init__(self, settings: Settings, engine: SessionEngine | None = None, model_name: str = "") -> None:
         self.settings = settings
         self.metrics = Metrics(model_name)
-        self.engine: Any = None
+        self.engine: SessionEngine | None = None
         self.fatal: ContractError | None = None
         # the spec was refused at start (a value not served, a profile whose measured smoke fails): every route
         # answers it, /readyz included, while /healthz stays up, so the pod does not restart into the same refusal
@@ -65,7 +66,7 @@ class Worker:
         if engine is not None:
             self.attach(engine)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: SessionEngine) -> None:
         """Makes the loaded engine serve; until then engine routes answer not_ready."""
         self.engine = engine
 
@@ -75,7 +76,7 @@ class Worker:
         """The engine will not load for a reason the spec carries: answer it instead of serving."""
         self.refusal = err
 
-    def _ready_engine(self) -> Any:
+    def _ready_engine(self) -> SessionEngine:
         if self.refusal is not None:
             r = self.refusal
             raise type(r)(f"the worker refused its cell spec at start: {r.message}", refused=True, **r.details)
@@ -83,7 +84,7 @@ class Worker:
             raise NotReady("the model is still loading; retry shortly")
         if self.fatal is not None:
             raise Fatal("the worker hit a fatal error and is not ready", cause=self.fatal.message)
-        if not getattr(self.engine, "ready", True):
+        if not self.engine.ready:
             raise Fatal("the engine is not ready after a fatal backend error")
         return self.engine
 
@@ -131,7 +132,7 @@ class Worker:
         return request[T0] + min(limits) if limits else None
 
     def _check_ids(self, ids: list[int], field: str) -> None:
-        vocab = int(self.engine.tokenizer.vocab_size)
+        vocab = int(self._ready_engine().tokenizer.vocab_size)
         if not ids or max(ids) < vocab:  # max() runs in C: long prompts are checked without a Python loop
             return
         for i, t in enumerate(ids):
@@ -140,7 +141,7 @@ class Worker:
                                  field=f"{field}[{i}]", vocab_size=vocab)
 
     async def _prompt(self, body: s._PromptInput, *, continuation: bool, add_generation_prompt: bool) -> list[int]:
-        tok = self.engine.tokenizer
+        tok = self._ready_engine().tokenizer
         if body.tokens is not None:
             self._check_ids(body.tokens, "tokens")
             return list(body.tokens)
@@ -229,7 +230,8 @@ class Worker:
                     request[LOG]["finish"] = ev.finish_reason
                     return _json({"session_id": sid, "tokens": ids, "text": "".join(pieces),
                                   "finish_reason": ev.finish_reason, "trace": trace})
-                ids.append(int(ev.token_id))
+                assert ev.token_id is not None              # a token event (not the done event)
+                ids.append(ev.token_id)
                 pieces.append(ev.text or "")
                 if _client_gone(request):
                     # Nobody will read the answer: stop generating. aclose() below leaves the session consistent.
@@ -244,10 +246,9 @@ class Worker:
         the count but has no token event; read it from the session so ``len(tokens) == completion_tokens``. Called
         while the engine still holds the session (the done event is being handled), so nothing can interleave."""
         n = int(trace.get("completion_tokens") or 0)
-        held = getattr(self.engine, "session_tokens", None)
-        if held is None or n <= len(streamed):
+        if self.engine is None or n <= len(streamed):
             return streamed
-        return list(held(sid)[-n:]) if n else []
+        return list(self.engine.session_tokens(sid)[-n:]) if n else []
 
     async def _stream(self, request: web.Request, sid: str, events: Any) -> web.StreamResponse:
         # The first event is awaited before any byte is sent, so refusals (not_found, conflict, overflow, ...) are
@@ -559,7 +560,8 @@ def _client_gone(request: web.Request) -> bool:
 WORKER = web.AppKey("worker", Worker)
 
 
-def create_app(settings: Settings | None = None, engine: Any = None, model_name: str = "") -> web.Application:
+def create_app(settings: Settings | None = None, engine: SessionEngine | None = None,
+               model_name: str = "") -> web.Application:
     """The aiohttp app; pass ``engine`` now, or later with ``app[WORKER].attach(engine)`` once it has loaded."""
     worker = Worker(settings or Settings.from_env(), engine=engine, model_name=model_name)
     app = web.Application(middlewares=[worker.middleware], client_max_size=MAX_BODY_BYTES)
