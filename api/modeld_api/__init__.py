@@ -292,6 +292,31 @@ class Endpoint(_Model):
     )
 
 
+class CertificationSummary(_Model):
+    """The flat summary a certification Job writes (its termination message, under 2 KiB as JSON) and the operator
+    stores in ``status.certification.summary``: one typed model both sides validate, not a dict contract on each."""
+
+    certified: bool = Field(description="Whether a gate passed.")
+    gate: str = Field(description="The gate that passed, else the closest that failed.")
+    reason: str = Field(description="The gate's evidence, possibly shortened to fit.")
+    topology: str = Field(description="Topology measured on.")
+    measuredAt: str = Field(description="RFC 3339 time of the measurement.")
+    firstOutputP90Ms: dict[str, float | None] = Field(default_factory=dict, description="Per context tier.")
+    agentTurnP50Ms: float | None = Field(default=None, description="End-to-end agent turn p50.")
+    quality: str = Field(pattern="^(pass|fail)$", description="The quality smoke's verdict.")
+    passkeyTiers: list[int] | None = Field(default=None, description="Tiers whose passkey runs passed.")
+    contextTier: int = Field(ge=0, description="The capability's context tier.")
+    modelDigest: str | None = Field(default=None, description="Weights digest measured.")
+    schema_: str = Field(alias="schema", description="The certification report's schema id.")
+    workload: str = Field(description="The certification workload's version.")
+    baseline: str | None = Field(default=None, description="The baseline cell's name.")
+    baselineFirstOutputP90Ms: dict[str, float | None] | None = Field(default=None, description="The baseline's.")
+    baselineAgentTurnP50Ms: float | None = Field(default=None, description="The baseline's agent turn p50.")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
 class Certification(_Model):
     certified: bool = Field(default=False, description="Whether the cell passed a gate on this topology.")
     gate: str | None = Field(default=None, description="Gate that passed, or the closest that failed.")

@@ -146,15 +146,15 @@ def verdict_from_pod(pod: dict[str, Any]) -> tuple[str, api.Certification | None
     if phase == "Failed" or terminated.get("exitCode", 1) != 0:
         return "failed", None, message.strip()[-400:] or f"certification exited with {terminated.get('exitCode')}"
     try:
-        summary = json.loads(message)
+        summary = api.CertificationSummary.model_validate_json(message)
         cert = api.Certification.model_validate(
             {
-                "certified": bool(summary["certified"]),
-                "gate": summary.get("gate"),
-                "reason": summary.get("reason"),
-                "topology": summary.get("topology"),
-                "measuredAt": summary.get("measuredAt"),
-                "summary": summary,
+                "certified": summary.certified,
+                "gate": summary.gate,
+                "reason": summary.reason,
+                "topology": summary.topology,
+                "measuredAt": summary.measuredAt,
+                "summary": summary.to_json_dict(),
             }
         )
     except (ValueError, KeyError, TypeError, ValidationError) as exc:

@@ -86,9 +86,14 @@ def pod(phase, code=0, message=""):
 def test_verdicts():
     assert certification.verdict_from_pod(pod("Running"))[0] == "running"
     summary = {"certified": True, "gate": "context-tier", "reason": "baseline cannot run 8192", "topology": "cpu",
-               "measuredAt": "2026-11-29T15:00:00Z", "firstOutputP90Ms": {"1024": 300.0}}
+               "measuredAt": "2026-11-29T15:00:00Z", "firstOutputP90Ms": {"1024": 300.0}, "quality": "pass",
+               "contextTier": 8192, "schema": "modeld.certification/v1", "workload": "agent-v1"}
     state, cert, _ = certification.verdict_from_pod(pod("Succeeded", 0, json.dumps(summary)))
-    assert state == "done" and cert.certified and cert.gate == "context-tier" and cert.summary["firstOutputP90Ms"]
+    assert state == "done" and cert.certified and cert.gate == "context-tier" and cert.summary == summary
+    # the summary is one typed model (modeld_api.CertificationSummary): a field missing is refused by name
+    state, cert, message = certification.verdict_from_pod(
+        pod("Succeeded", 0, json.dumps({k: v for k, v in summary.items() if k != "quality"})))
+    assert state == "failed" and cert is None and "quality" in message and "unreadable certification summary" in message
     state, cert, message = certification.verdict_from_pod(pod("Failed", 2, "endpoint unreachable"))
     assert (state, cert, message) == ("failed", None, "endpoint unreachable")
     state, cert, message = certification.verdict_from_pod(pod("Succeeded", 0, "not json"))

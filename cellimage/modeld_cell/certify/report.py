@@ -44,7 +44,9 @@ def summary_for_status(report: dict[str, Any]) -> dict[str, Any]:
     for key in ("baselineFirstOutputP90Ms", "passkeyTiers", "modelDigest"):  # many tiers: drop the least needed
         if len(json.dumps(out, separators=(",", ":"))) > SUMMARY_MAX_BYTES:
             out.pop(key, None)
-    return out
+    from modeld_api import CertificationSummary  # the one model the operator validates too
+
+    return CertificationSummary.model_validate(out).to_json_dict()
 
 
 def _p(st: dict[str, Any] | None, key: str) -> str:
