@@ -8,7 +8,7 @@ import torch
 from modeld_cell import errors
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 
-pytestmark = pytest.mark.cell
+pytestmark = pytest.mark.unit
 
 L, HKV, D = 4, 2, 8
 

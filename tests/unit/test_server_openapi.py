@@ -7,7 +7,7 @@ import pytest
 from modeld_cell import openapi
 from modeld_cell.server import create_app
 
-pytestmark = pytest.mark.cell
+pytestmark = pytest.mark.unit
 
 
 def test_committed_openapi_matches_the_generator():
