@@ -112,12 +112,15 @@ def worker_modeld(job: dict) -> dict:
 
     from modeld_cell.engine import Engine, SamplingParams
 
-    spec = {"runtime": {"backend": "torch", "threads": job["threads"]},
+    spec = {"runtime": {"backend": "torch"},
             "model": {"family": "smollm2", "format": "gguf"},
             "profile": {"weights": job["modeld_weights"], "kv": "auto", "prefixReuse": True},
             "contextTier": 8192, "kvMemoryMiB": job["modeld_kv_mib"]}
     t = time.perf_counter()
-    eng = Engine.from_cell(spec, model_path=job["model"])
+    from modeld_cell.engine import EngineSettings
+
+    eng = Engine.from_cell(spec, model_path=job["model"],
+                           settings=EngineSettings(threads=job["threads"]))   # MODELD_THREADS, as the worker
     load_s = time.perf_counter() - t
     rss_loaded = proc_status_mib("VmRSS")
     loop = asyncio.new_event_loop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -18,7 +17,7 @@ from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_KV_MEMORY_MIB, kv_format
 
 SUPPORTED_ATTENTION = ("dense",)
-SPARSE_ATTENTION = ("block-sparse", "sparse", "vertical-slash", "minference")
+SPARSE_ATTENTION = ("block-sparse",)
 SPARSE_BLOCK = 64                         # block-sparse prefill: tokens per query/key block (the kernels' default)
 
 
@@ -87,21 +86,6 @@ def _cpu_has_bf16() -> bool:
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def _parse_tier(v: Any) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool):
-        raise errors.BadRequest(f"contextTier must be a token count, got {v!r}", field="contextTier")
-    if isinstance(v, int):
-        return v
-    s = str(v).strip().lower()
-    try:
-        return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
-    except ValueError:
-        raise errors.BadRequest(f"contextTier must be a token count like 8192 or '8k', got {v!r}",
-                                field="contextTier") from None
-
-
 @dataclass
 class CellConfig:
     """The parts of the Cell CRD's ``.spec`` the engine uses (api/modeld_api/__init__.py is the source)."""
@@ -119,7 +103,6 @@ class CellConfig:
     prefix_reuse: bool = True
     context_tier: int | None = None       # None: the model's trained context
     kv_memory_mib: int = DEFAULT_KV_MEMORY_MIB
-    threads: int | None = None
     raw: dict = field(default_factory=dict)
 
     @classmethod
@@ -127,22 +110,21 @@ class CellConfig:
         spec = dict(spec or {})
         runtime, model, profile = (spec.get("runtime") or {}), (spec.get("model") or {}), (spec.get("profile") or {})
         c = cls(raw=spec)
-        backend = str(runtime.get("backend") or "torch").lower()
-        if backend in ("torch", "torch-cpu", "cpu", "auto", "modeld"):
-            c.backend, c.device = "torch", "cpu"
-        elif backend in ("torch-cuda", "cuda", "gpu"):
-            if not torch.cuda.is_available():
-                raise errors.Unsupported(f"runtime.backend {backend!r} needs CUDA, which this machine lacks")
-            c.backend, c.device = "torch", "cuda"
-        else:
-            raise errors.Unsupported(f"runtime.backend {backend!r} is not served by this worker "
-                                     "(supported: torch, torch-cpu, torch-cuda)", field="runtime.backend")
-        if runtime.get("threads") is not None:
-            c.threads = int(runtime["threads"])
+        # the values the CRD accepts (modeld_api), and no others; what this worker does not serve is refused naming
+        # the field, as modeld_api.served does for the operator
+        backend = runtime.get("backend") or "torch"
+        if backend == "triton":
+            raise errors.Unsupported("runtime.backend 'triton' is not served: this worker version has no triton (CUDA) "
+                                     "runtime yet", field="runtime.backend")
+        if backend != "torch":
+            raise errors.BadRequest(f"runtime.backend {backend!r} unknown (torch, triton)", field="runtime.backend")
+        c.backend, c.device = "torch", "cpu"
         topo = spec.get("topology") or {}
-        for key in ("tensorParallel", "pipelineParallel", "tp", "pp"):
-            if int(topo.get(key, 1) or 1) > 1:
-                raise errors.Unsupported(f"topology.{key}={topo[key]} is not supported by the torch backend")
+        if int(topo.get("gpus") or 0) >= 1:
+            raise errors.Unsupported("topology.gpus: the torch backend computes on the CPU only", field="topology.gpus")
+        if (runtime.get("parallelism") or "single") != "single":
+            raise errors.Unsupported(f"runtime.parallelism {runtime['parallelism']!r} is not served: multi-rank cells "
+                                     "are not built yet", field="runtime.parallelism")
         c.model_family, c.model_ref = model.get("family"), model.get("ref")
         c.model_digest, c.model_format = model.get("digest"), model.get("format")
         weights = str(profile.get("weights") or "auto").lower()
@@ -157,16 +139,19 @@ class CellConfig:
         c.weights = {"float32": "fp32", "bfloat16": "bf16"}.get(weights, weights)
         kv = str(profile.get("kv") or "auto").lower()
         c.kv = kv_format(c.weights if kv == "auto" else kv).name  # BadRequest / Unsupported now; canonical name
-        att = str(profile.get("attention") or "dense").lower()
-        if att not in SUPPORTED_ATTENTION + SPARSE_ATTENTION + ("auto",):
+        att = profile.get("attention") or "dense"
+        if att not in SUPPORTED_ATTENTION + SPARSE_ATTENTION:
             raise errors.BadRequest(f"profile.attention {att!r} unknown (dense, block-sparse)",
                                     field="profile.attention")
-        c.attention_requested = "dense" if att == "auto" else att
+        c.attention_requested = att
         pr = profile.get("prefixReuse", True)
-        if isinstance(pr, str):
-            pr = pr.lower() not in ("none", "off", "false", "disabled")
-        c.prefix_reuse = bool(pr)
-        c.context_tier = _parse_tier(spec.get("contextTier"))
+        if not isinstance(pr, bool):
+            raise errors.BadRequest(f"profile.prefixReuse must be true or false, got {pr!r}", field="profile.prefixReuse")
+        c.prefix_reuse = pr
+        tier = spec.get("contextTier")
+        if tier is not None and (isinstance(tier, bool) or not isinstance(tier, int) or tier < 1):
+            raise errors.BadRequest(f"contextTier must be a token count, got {tier!r}", field="contextTier")
+        c.context_tier = tier
         if spec.get("kvMemoryMiB") is not None:
             c.kv_memory_mib = int(spec["kvMemoryMiB"])
             if c.kv_memory_mib < 1:

@@ -136,7 +136,7 @@ class Engine:
 
         cfg = CellConfig.from_spec(spec)
         settings = settings or EngineSettings.from_env()
-        threads = cfg.threads or settings.threads
+        threads = settings.threads
         torch.set_num_threads(threads)
         settings.threads = threads
         if model_path is None:

@@ -81,3 +81,23 @@ def test_every_enum_of_the_cell_spec_is_covered():
 def test_gpus_with_the_torch_backend_are_refused():
     refused = unserved(api.parse_cell_spec({**CPU, "topology": {"gpus": 1, "interconnect": "none"}}))
     assert [u.field for u in refused] == ["topology.gpus"] and "idle" in refused[0].reason
+
+
+@pytest.mark.parametrize("edit, field, kind", [
+    ({"runtime": {"backend": "torch-cpu"}}, "runtime.backend", "bad_request"),
+    ({"runtime": {"backend": "triton"}}, "runtime.backend", "unsupported"),
+    ({"runtime": {"backend": "torch", "parallelism": "tensor"}}, "runtime.parallelism", "unsupported"),
+    ({"topology": {"gpus": 1, "interconnect": "none"}}, "topology.gpus", "unsupported"),
+    ({"contextTier": "8k"}, "contextTier", "bad_request"),
+    ({"profile": {"prefixReuse": "off"}}, "profile.prefixReuse", "bad_request"),
+    ({"profile": {"attention": "minference"}}, "profile.attention", "bad_request"),
+], ids=["alias-backend", "triton", "parallelism", "gpus", "tier-string", "reuse-string", "attention-alias"])
+def test_the_engine_config_takes_no_value_the_crd_rejects_or_nothing_serves(edit, field, kind):
+    """The worker's engine config reads the CRD's values and no aliases of its own; what nothing serves it refuses
+    with the field, as the operator does."""
+    from modeld_cell import errors
+    from modeld_cell.engine import CellConfig
+
+    with pytest.raises(errors.ContractError) as ei:
+        CellConfig.from_spec({**CPU, **edit})
+    assert ei.value.kind == kind and ei.value.details["field"] == field, (ei.value.kind, ei.value.details)
