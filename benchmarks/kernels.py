@@ -165,7 +165,7 @@ def _int_list(text: str) -> list[int]:
 def bench_sparse(r: Runner, use_triton: bool) -> None:
     dev, cuda = r.device, r.device.type == "cuda"
     # the CPU interpreter runs the triton kernel in fp32 (it cannot run every bf16 op)
-    dtype = torch.bfloat16 if cuda else torch.float32 if use_triton else getattr(torch, r.args.cpu_sparse_dtype)
+    dtype = torch.bfloat16 if cuda else torch.float32 if use_triton else _cpu_sparse_dtype(r.args.cpu_sparse_dtype)
     H, Hkv, D, bs = (32, 8, 128, 64) if cuda else (9, 3, 64, 64)
     if r.args.sparse_lengths is not None:
         lengths = _int_list(r.args.sparse_lengths)
@@ -207,6 +207,20 @@ def _dense_with_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     kh, vh = (t.transpose(0, 1).repeat_interleave(G, 0)[None] for t in (k, v))
     bias = causal_lower_right(q.shape[0], k.shape[0])
     return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)[0].transpose(0, 1)
+
+
+def _cpu_sparse_dtype(choice: str) -> torch.dtype:
+    """--cpu-sparse-dtype: bf16 (a bf16 cell's dtype) where this CPU's torch computes bf16 attention, else fp32.
+    Under ATEN_CPU_CAPABILITY=avx2 torch's bf16 CPU flash attention raises "pack_vnni2 is only supported when
+    avx512 is supported"; the engine refuses bf16 cells there, so the benchmark measures what such a CPU serves."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    q = torch.zeros(1, 1, 512, 64, dtype=torch.bfloat16)
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True, scale=0.125)
+    except RuntimeError:
+        return torch.float32
+    return torch.bfloat16
 
 
 def _sparse_case(r: Runner, use_triton: bool, T: int, H: int, Hkv: int, D: int, bs: int, dtype: torch.dtype,
@@ -271,8 +285,8 @@ def main() -> int:
     p.add_argument("--keep-ratio", type=float, default=0.1,
                    help="vertical-slash keep_ratio for sparse prefill (the worker's default; capped at the "
                         "reference's MAX_KEEP_TOKENS)")
-    p.add_argument("--cpu-sparse-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="CPU sparse prefill dtype (a bf16 cell computes in bf16)")
+    p.add_argument("--cpu-sparse-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="CPU sparse prefill dtype (a bf16 cell computes in bf16; auto: bf16 where the CPU's torch can)")
     p.add_argument("--sparse-lengths", default=None, help="fresh prefill lengths, comma list (default by device)")
     p.add_argument(
         "--sparse-past",
