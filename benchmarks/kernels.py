@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cellimage"))
 
+from modeld_cell.kernels import dispatch  # noqa: E402
 from modeld_cell.kernels.merge import reference as merge_ref  # noqa: E402
 from modeld_cell.kernels.paged_decode import reference as paged_ref  # noqa: E402
 from modeld_cell.kernels.quant_kv import reference as quant_ref  # noqa: E402
@@ -210,17 +211,11 @@ def _dense_with_past(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def _cpu_sparse_dtype(choice: str) -> torch.dtype:
-    """--cpu-sparse-dtype: bf16 (a bf16 cell's dtype) where this CPU's torch computes bf16 attention, else fp32.
-    Under ATEN_CPU_CAPABILITY=avx2 torch's bf16 CPU flash attention raises "pack_vnni2 is only supported when
-    avx512 is supported"; the engine refuses bf16 cells there, so the benchmark measures what such a CPU serves."""
+    """--cpu-sparse-dtype: bf16 (a bf16 cell's dtype) where this CPU's torch computes bf16 attention, else fp32 (the
+    engine refuses bf16 cells there, so the benchmark measures what such a CPU serves)."""
     if choice != "auto":
         return getattr(torch, choice)
-    q = torch.zeros(1, 1, 512, 64, dtype=torch.bfloat16)
-    try:
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True, scale=0.125)
-    except RuntimeError:
-        return torch.float32
-    return torch.bfloat16
+    return torch.float32 if dispatch.cpu_bf16_attention_error() else torch.bfloat16
 
 
 def _sparse_case(r: Runner, use_triton: bool, T: int, H: int, Hkv: int, D: int, bs: int, dtype: torch.dtype,

@@ -43,20 +43,25 @@ SERVED_WEIGHTS = ("fp32", "bf16", "fp16", "q8_0", "q4_1", "q4_k_m")
 
 def unserved(spec: CellSpec) -> list[Unserved]:
     """Every value of ``spec`` this worker version cannot serve, in field order; [] when it serves them all."""
+    return unserved_values(_v(spec.runtime.backend), spec.topology.gpus, _v(spec.runtime.parallelism),
+                           _v(spec.profile.weights))
+
+
+def unserved_values(backend: str, gpus: int, parallelism: str, weights: str | None = None) -> list[Unserved]:
+    """The rules of ``unserved`` on the values themselves, for a reader that holds a spec as a plain mapping (the
+    worker's engine config); ``weights`` None leaves that field to the caller."""
     out: list[Unserved] = []
-    backend, parallelism = _v(spec.runtime.backend), _v(spec.runtime.parallelism)
     if backend == "triton":
         out.append(Unserved("runtime.backend", backend,
                             "this worker version has no triton (CUDA) runtime yet; the torch backend is the CPU cell"))
-    elif spec.topology.gpus >= 1:
-        out.append(Unserved("topology.gpus", str(spec.topology.gpus),
+    elif gpus >= 1:
+        out.append(Unserved("topology.gpus", str(gpus),
                             "the torch backend computes on the CPU only: a cell holding GPUs would leave them idle "
                             "(use topology.gpus 0 for a CPU cell)"))
     if parallelism != "single":
         out.append(Unserved("runtime.parallelism", parallelism,
                             "this worker version runs one process per cell; multi-rank shapes are not built yet"))
-    weights = _v(spec.profile.weights)
-    if weights not in SERVED_WEIGHTS:
+    if weights is not None and weights not in SERVED_WEIGHTS:
         out.append(Unserved("profile.weights", weights,
                             "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
                             f"from one of {', '.join(SERVED_WEIGHTS)}"))

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modeld_api.served import unserved_values
+
 from . import errors
 from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_KV_MEMORY_MIB, kv_format
@@ -111,20 +113,15 @@ class CellConfig:
         runtime, model, profile = (spec.get("runtime") or {}), (spec.get("model") or {}), (spec.get("profile") or {})
         c = cls(raw=spec)
         # the values the CRD accepts (modeld_api), and no others; what this worker does not serve is refused naming
-        # the field, as modeld_api.served does for the operator
+        # the field, by the same rules the operator applies (modeld_api.served)
         backend = runtime.get("backend") or "torch"
-        if backend == "triton":
-            raise errors.Unsupported("runtime.backend 'triton' is not served: this worker version has no triton (CUDA) "
-                                     "runtime yet", field="runtime.backend")
-        if backend != "torch":
+        if backend not in ("torch", "triton"):
             raise errors.BadRequest(f"runtime.backend {backend!r} unknown (torch, triton)", field="runtime.backend")
+        gpus = int((spec.get("topology") or {}).get("gpus") or 0)
+        if refused := unserved_values(backend, gpus, runtime.get("parallelism") or "single"):
+            u = refused[0]
+            raise errors.Unsupported(u.message(), field=u.field, value=u.value)
         c.backend, c.device = "torch", "cpu"
-        topo = spec.get("topology") or {}
-        if int(topo.get("gpus") or 0) >= 1:
-            raise errors.Unsupported("topology.gpus: the torch backend computes on the CPU only", field="topology.gpus")
-        if (runtime.get("parallelism") or "single") != "single":
-            raise errors.Unsupported(f"runtime.parallelism {runtime['parallelism']!r} is not served: multi-rank cells "
-                                     "are not built yet", field="runtime.parallelism")
         c.model_family, c.model_ref = model.get("family"), model.get("ref")
         c.model_digest, c.model_format = model.get("digest"), model.get("format")
         weights = str(profile.get("weights") or "auto").lower()
@@ -135,10 +132,10 @@ class CellConfig:
             if weights != "auto" and not re.fullmatch(r"(q\d(_[01k])?(_[sml])?|iq\w+|f16|fp16|gguf|native)", weights):
                 raise errors.BadRequest(f"profile.weights {weights!r} unknown (fp32, bf16, auto, or a GGUF "
                                         "quantization such as q4_1)", field="profile.weights")
-            weights = "bf16" if c.device == "cuda" or _cpu_has_bf16() else "fp32"
+            weights = "bf16" if _cpu_has_bf16() else "fp32"
         c.weights = {"float32": "fp32", "bfloat16": "bf16"}.get(weights, weights)
         kv = str(profile.get("kv") or "auto").lower()
-        c.kv = kv_format(c.weights if kv == "auto" else kv).name  # BadRequest / Unsupported now; canonical name
+        c.kv = kv_format(c.weights if kv == "auto" else kv).name  # BadRequest now; canonical name
         att = profile.get("attention") or "dense"
         if att not in SUPPORTED_ATTENTION + SPARSE_ATTENTION:
             raise errors.BadRequest(f"profile.attention {att!r} unknown (dense, block-sparse)",

@@ -6,6 +6,7 @@ The HTTP server (server.py, schemas.py) and the engine share them; docs/engine-i
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -79,6 +80,11 @@ class DecodeEvent:
     done: bool = False
     finish_reason: str | None = None
     trace: Trace | None = None
+
+
+def elapsed_ms(t0: float) -> float:
+    """Milliseconds since ``t0`` (a ``time.perf_counter()`` reading), as traces report them."""
+    return round((time.perf_counter() - t0) * 1e3, 3)
 
 
 class SessionEngine(Protocol):

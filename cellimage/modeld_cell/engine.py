@@ -37,7 +37,7 @@ import torch
 from . import __version__, capability, errors, snapshot
 from .blocks import BlockManager, Plan, Session
 from .config import _DTYPES, SPARSE_ATTENTION, SPARSE_BLOCK, CellConfig, EngineSettings
-from .contract import DecodeEvent, SamplingParams, Trace
+from .contract import DecodeEvent, SamplingParams, Trace, elapsed_ms
 from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_format
 from .model import (
@@ -58,14 +58,6 @@ DEFAULT_QUALITY_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "modeld"
 
 # ----------------------------------------------------------------------------------------------------------------
 # Internal state
-
-
-def _now() -> float:
-    return time.monotonic()
-
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1e3, 3)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,7 +246,7 @@ class Engine:
         tr = Trace(session_id=s.id, **kw)
         tr.session_tokens = len(s.tokens)
         tr.kv_bytes = len(s.blocks) * self.kv.block_bytes
-        tr.total_ms = _ms(t0)
+        tr.total_ms = elapsed_ms(t0)
         for k in ("prompt_tokens", "completion_tokens", "tokens_reused", "tokens_computed"):
             s.totals[k] += getattr(tr, k)
         tr.totals = dict(s.totals)
@@ -408,7 +400,7 @@ class Engine:
                     raise asyncio.CancelledError()
         finally:
             self._running_prefills -= 1
-        return _ms(t0), queue_ms
+        return elapsed_ms(t0), queue_ms
 
     # ---- the contract
 
@@ -435,7 +427,7 @@ class Engine:
             self._claim(s, "ensure_prefix")  # raises Conflict
         t_look = time.perf_counter()
         plan = self.blocks.plan(s, toks)
-        lookup_ms = _ms(t_look)
+        lookup_ms = elapsed_ms(t_look)
         keep = plan.keep
         nothing_to_do = keep == len(toks) == len(s.tokens) == s.kv_len
         if plan.need > plan.avail:

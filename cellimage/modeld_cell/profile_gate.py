@@ -51,15 +51,15 @@ def hardware(device: torch.device | str = "cpu") -> dict[str, Any]:
         p = torch.cuda.get_device_properties(device)
         return {"device": "cuda", "name": p.name, "capability": f"{p.major}.{p.minor}",
                 "cuda": torch.version.cuda, "torch": torch.__version__}
-    model, flags = platform.processor(), set()
+    info: dict[str, str] = {}                  # the first CPU's "model name" and "flags" lines
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             for ln in f:
-                if ln.startswith("model name") and model in ("", platform.processor()):
-                    model = ln.split(":", 1)[1].strip()
-                elif ln.startswith("flags"):
-                    flags = set(ln.split(":", 1)[1].split())
+                key, _, val = ln.partition(":")
+                info.setdefault(key.strip(), val.strip())
+                if "flags" in info:
                     break
+    model, flags = info.get("model name") or platform.processor(), set(info.get("flags", "").split())
     return {"device": "cpu", "name": model, "machine": platform.machine(),
             "isa_flags": [f for f in _ISA_FLAGS if f in flags],
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -22,14 +22,10 @@ import torch
 
 from . import __version__, errors
 from .blocks import Session
-from .contract import Trace
+from .contract import Trace, elapsed_ms
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1e3, 3)
-
 
 SNAPSHOT_MAGIC = b"MODELD-SNAPSHOT\x00"   # 16 bytes
 SNAPSHOT_VERSION = 2                      # v2: full cache identity, typed payload table (docs/reuse.md)
@@ -178,7 +174,7 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
         except asyncio.CancelledError:
             await asyncio.wait({fut})
             raise
-        info["write_ms"] = _ms(t0)
+        info["write_ms"] = elapsed_ms(t0)
         return info
     except OSError as e:
         raise eng._err(errors.BadRequest(f"cannot write snapshot to {path}: {e}", path=path)) from e
@@ -264,7 +260,7 @@ async def restore_session(eng: Engine, session_id: str, path: str) -> Trace:
             raise asyncio.CancelledError()
     finally:
         s.busy = None
-    ms = _ms(t0)
+    ms = elapsed_ms(t0)
     return Trace(session_id=s.id, tokens_reused=0, session_tokens=len(s.tokens),
                  kv_bytes=len(s.blocks) * eng.kv.block_bytes, total_ms=ms, totals=dict(s.totals),
                  restore_ms=ms, reuse={"hit": False, "source": "snapshot", "tokens_restored": kv_len,

@@ -48,15 +48,3 @@ async def generate(eng: Engine, sid: str, n: int, **kw) -> tuple[list[int], str,
             ids.append(ev.token_id)
             text.append(ev.text)
     return ids, "".join(text), last
-
-
-def bf16_refusal() -> str | None:
-    """Why this CPU's torch kernels cannot run bf16 attention (the engine then refuses bf16 weights at start), or None.
-    Under ATEN_CPU_CAPABILITY=avx2, CPU flash attention in bf16 raises "pack_vnni2 is only supported when avx512 is
-    supported"."""
-    q = torch.zeros(1, 1, 512, 64, dtype=torch.bfloat16)   # a prefill-sized call: small ones take another path
-    try:
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True, scale=0.125)
-    except RuntimeError as e:
-        return str(e)
-    return None

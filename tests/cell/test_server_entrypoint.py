@@ -21,8 +21,6 @@ import modeld_cell
 from modeld_cell import cli
 from modeld_cell.settings import Settings
 
-from .cellutil import bf16_refusal
-
 pytestmark = pytest.mark.cell
 
 REPO = Path(modeld_cell.__file__).resolve().parents[2]
@@ -155,7 +153,9 @@ def _start_worker(cell: Path, smollm2_path: str, cache: Path, log: Path) -> tupl
 def test_restore_into_another_worker_process(smollm2_path, tmp_path):
     """Snapshot in one worker process, restore over HTTP in a second process of the same cell (a shared volume): the
     second continues exactly as the first would have, in bf16; a corrupted file is refused and changes nothing."""
-    if (why := bf16_refusal()) is not None:
+    from modeld_cell.kernels.dispatch import cpu_bf16_attention_error
+
+    if (why := cpu_bf16_attention_error()) is not None:
         pytest.skip(f"this CPU's torch kernels have no bf16 attention, so the worker refuses bf16 weights: {why}")
     spec = {**CELL["spec"], "profile": {"weights": "bf16", "kv": "bf16", "attention": "dense", "prefixReuse": True}}
     cell = tmp_path / "cell.yaml"

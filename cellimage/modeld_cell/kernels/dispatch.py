@@ -46,6 +46,18 @@ def triton_available() -> bool:
     return _triton_error is None
 
 
+def cpu_bf16_attention_error() -> str | None:
+    """Why this process's torch cannot run CPU flash attention in bf16, or None when it can. Under
+    ATEN_CPU_CAPABILITY=avx2 (or a CPU without AVX-512) a prefill-sized call raises "pack_vnni2 is only supported
+    when avx512 is supported"; small calls take another path, so the probe uses 512 rows."""
+    q = torch.zeros(1, 1, 512, 64, dtype=torch.bfloat16)
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True, scale=0.125)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def interpreter_enabled() -> bool:
     """TRITON_INTERPRET is set to a true value (triton then runs kernels on CPU tensors, slowly)."""
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
