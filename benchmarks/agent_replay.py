@@ -34,8 +34,10 @@ import time
 
 import torch
 
+from modeld_cell.config import cpu_compute_dtype
 from modeld_cell.engine import CellConfig, Engine, EngineSettings, SamplingParams
 from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.models.fetch import SMOLLM2_REF
 from modeld_cell.tokenizer import common_prefix
 
 SYSTEM = "You are a coding agent. Read each tool output, keep notes, and decide the next step."
@@ -119,7 +121,8 @@ def sibling(base: Engine, kv_mib: int, prefix_reuse: bool) -> Engine:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--weights", default="auto", help="profile.weights (auto: bf16 where the CPU has it)")
+    ap.add_argument("--weights", default=cpu_compute_dtype(),
+                    help="profile.weights (default: bf16 where the CPU computes it natively, else fp32)")
     ap.add_argument("--turns", type=int, default=10, help="tool-output turns")
     ap.add_argument("--chunk", type=int, default=740, help="tokens of tool output per turn")
     ap.add_argument("--tail-turns", type=int, default=2, help="short follow-ups at the ~8k stable prefix")
@@ -128,8 +131,9 @@ async def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=512, help="KV budget of each engine")
     ap.add_argument("--out", default="_out/agent_replay.json")
     a = ap.parse_args()
-    spec = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
-            "profile": {"weights": a.weights, "kv": "auto", "attention": "dense", "prefixReuse": True},
+    spec = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+            "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
+            "profile": {"weights": a.weights, "kv": a.weights, "attention": "dense", "prefixReuse": True},
             "contextTier": 8192, "kvMemoryMiB": a.kv_mib}
     t = time.perf_counter()
     reuse = Engine.from_cell(spec)

@@ -26,6 +26,7 @@ import time
 import torch
 
 from modeld_cell.engine import Engine, SamplingParams
+from modeld_cell.models.fetch import SMOLLM2_REF
 
 
 def corpus_text() -> str:
@@ -109,7 +110,8 @@ async def main() -> None:
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--out", default="_out/cell_cpu.json")
     a = ap.parse_args()
-    spec = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
+    spec = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+            "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
             "profile": {"weights": a.weights, "kv": a.kv or a.weights, "prefixReuse": True},
             "contextTier": 8192, "kvMemoryMiB": 2048}
     t = time.perf_counter()

@@ -3,7 +3,7 @@
 Providers (each runs as a subprocess of this script, in its own venv, and hands back JSON; the project venv never
 gets a peer package):
   * modeld        the in-process Engine (modeld_cell.engine, the path the server calls), as benchmarks/cell_cpu.py
-                  drives it; the project venv's python. Weights "auto" (bf16 where the CPU has AVX512-BF16).
+                  drives it; the project venv's python. Weights bf16 where the CPU computes it natively, else fp32.
   * llama.cpp     llama-cpp-python on the same Q4_1 GGUF (its native 4-bit format); the peers venv made by
                   hack/peers-setup.sh (built without AMX, see there).
   * hf            HF transformers loading the same GGUF (gguf_file=..., dequantized to fp32), sdpa attention; the
@@ -111,10 +111,11 @@ def worker_modeld(job: dict) -> dict:
     import torch
 
     from modeld_cell.engine import Engine, SamplingParams
+    from modeld_cell.models.fetch import SMOLLM2_REF
 
-    spec = {"runtime": {"backend": "torch"},
-            "model": {"family": "smollm2", "format": "gguf"},
-            "profile": {"weights": job["modeld_weights"], "kv": "auto", "prefixReuse": True},
+    spec = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+            "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
+            "profile": {"weights": job["modeld_weights"], "kv": job["modeld_weights"], "prefixReuse": True},
             "contextTier": 8192, "kvMemoryMiB": job["modeld_kv_mib"]}
     t = time.perf_counter()
     from modeld_cell.engine import EngineSettings
@@ -279,6 +280,11 @@ def model_path(arg: str | None) -> str:
         return arg
     from modeld_cell.models.fetch import ensure_smollm2
     return str(ensure_smollm2())
+
+
+def _cpu_compute_dtype() -> str:
+    from modeld_cell.config import cpu_compute_dtype
+    return cpu_compute_dtype()
 
 
 def tokenize(model: str) -> tuple[list[int], object]:
@@ -449,7 +455,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="rounds; each starts every provider afresh")
-    ap.add_argument("--modeld-weights", default="auto")
+    ap.add_argument("--modeld-weights", default=None, help="profile.weights (default: bf16 where the CPU computes it "
+                    "natively, else fp32)")
     ap.add_argument("--modeld-kv-mib", type=int, default=512, help="modeld's KV pool (an 8k bf16 session: 180 MiB)")
     ap.add_argument("--llama-n-batch", type=int, default=512)
     ap.add_argument("--llama-flash-attn", action="store_true")
@@ -478,7 +485,7 @@ def main() -> None:
     check_text = tok.decode(ids[:1024])
     job = {"model": model, "ids": ids[: max(contexts)], "contexts": contexts,
            "decode_contexts": [int(x) for x in a.decode_contexts.split(",")], "decode_tokens": a.decode_tokens,
-           "threads": a.threads, "warmup_tokens": 256, "modeld_weights": a.modeld_weights,
+           "threads": a.threads, "warmup_tokens": 256, "modeld_weights": a.modeld_weights or _cpu_compute_dtype(),
            "modeld_kv_mib": a.modeld_kv_mib, "llama_n_batch": a.llama_n_batch,
            "llama_flash_attn": a.llama_flash_attn, "providers": providers,
            "check_text": check_text, "check_ids": tok.encode(check_text)}

@@ -34,8 +34,10 @@ import torch
 from modeld_cell import quality
 from modeld_cell.engine import Engine, EngineSettings, SamplingParams
 from modeld_cell.kernels.quant_kv import reference as quant_ref
+from modeld_cell.models.fetch import SMOLLM2_REF
 
-SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
+SPEC = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+        "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
         "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
         "contextTier": 8192, "kvMemoryMiB": 512}
 

@@ -29,7 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from agent_replay import build_prompts, first_token  # noqa: E402
 
+from modeld_cell.config import cpu_compute_dtype
 from modeld_cell.engine import Engine  # noqa: E402
+from modeld_cell.models.fetch import SMOLLM2_REF
 from modeld_cell.tokenizer import common_prefix  # noqa: E402
 
 
@@ -65,13 +67,15 @@ async def one(eng: Engine, path: str, past: list[int], full: list[int]) -> float
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--weights", default="auto", help="profile.weights (auto: bf16 where the CPU has it)")
+    ap.add_argument("--weights", default=cpu_compute_dtype(),
+                    help="profile.weights (default: bf16 where the CPU computes it natively, else fp32)")
     ap.add_argument("--turns", default="3,9,11", help="agent_replay turn indices to measure")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="_out/reuse_floor.json")
     a = ap.parse_args()
-    spec = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
-            "profile": {"weights": a.weights, "kv": "auto", "attention": "dense", "prefixReuse": True},
+    spec = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+            "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
+            "profile": {"weights": a.weights, "kv": a.weights, "attention": "dense", "prefixReuse": True},
             "contextTier": 8192, "kvMemoryMiB": 1024}
     eng = Engine.from_cell(spec)
     prompts, _ = build_prompts(eng, 10, 740, 2)

@@ -36,8 +36,10 @@ from modeld_cell import model as model_mod
 from modeld_cell.engine import CellConfig, Engine, EngineSettings, SamplingParams
 from modeld_cell.kernels.quant_kv import reference as quant_ref
 from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.models.fetch import SMOLLM2_REF
 
-SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
+SPEC = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+        "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
         "profile": {"weights": "bf16", "kv": "bf16", "attention": "dense", "prefixReuse": True},
         "contextTier": 8192, "kvMemoryMiB": 64}
 CORPUS = ("typing", "logging", "argparse", "inspect", "dataclasses", "pathlib", "subprocess", "collections",

@@ -7,6 +7,7 @@ the committed YAML drifts. Field docstrings (``description=``) become the CRD's 
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from typing import Any
 
@@ -355,7 +356,9 @@ class SessionStatus(_Model):
 
 
 def parse_cell_spec(obj: dict[str, Any]) -> CellSpec:
-    """A Cell manifest (apiVersion/kind/metadata/spec) or a bare spec, validated."""
+    """A Cell manifest (apiVersion/kind/metadata/spec) or a bare spec, validated as the apiserver's schema would:
+    strictly, as JSON (a string is no boolean or integer: ``prefixReuse: "off"`` and ``contextTier: "8192"`` are
+    errors, not coerced)."""
     if "spec" in obj and ("kind" in obj or "apiVersion" in obj):
         obj = obj["spec"]
-    return CellSpec.model_validate(obj)
+    return CellSpec.model_validate_json(json.dumps(obj, default=str), strict=True)

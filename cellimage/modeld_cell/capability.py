@@ -7,20 +7,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from modeld_api.served import not_served
+
 from . import __version__
 from .kernels.sparse_prefill import reference as sparse_ref
-from .model import chunking_invariant
 from .prefix_index import IDENTITY_KEY_FIELDS
 from .snapshot import SNAPSHOT_VERSION
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-# Modes no cell of this worker serves (the capability's "unsupported"); spec values it refuses are modeld_api.served's.
-UNSUPPORTED_MODES = [
-    "topology: tensor / pipeline parallel",
-    "sliding-window attention",
-]
+# What the engine refuses beyond the spec values modeld_api.served refuses (a model property, checked at load).
+ENGINE_UNSUPPORTED = ("sliding-window attention: a contextTier above the model's window is refused",)
+
+
+def unsupported() -> list[str]:
+    """Exactly the modes this worker does not serve: the spec values modeld_api.served refuses, then the engine's."""
+    return [*not_served(), *ENGINE_UNSUPPORTED]
 
 
 def capability(e: Engine) -> dict:
@@ -47,7 +50,8 @@ def capability(e: Engine) -> dict:
                "full_context_sessions": e.kv.max_tokens // e.context_tier},
         "memory": {"weights_bytes": weights_bytes, "kv_budget_bytes": e.kv.budget_bytes, "rss_bytes": rss},
         "runtime": {"backend": e.identity["backend"], "version": __version__, "torch": torch.__version__,
-                    "device": str(e.kv.k.device), "threads": torch.get_num_threads(),
+                    "device": str(e.kv.k.device), "device_name": device_name(e.kv.k.device),
+                    "runner": e.runner.name, "startup_check": e.startup, "threads": torch.get_num_threads(),
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
                     "prefill_chunk": e.settings.prefill_chunk,
                     "max_decode_batch": e.settings.max_decode_batch},
@@ -61,10 +65,9 @@ def capability(e: Engine) -> dict:
                   "adapter": e.identity.get("adapter") or None},
         "attention": {"mode": "block-sparse" if e.sparse else "dense",
                       "requested": e.config.attention_requested,
-                      "prefill": ("torch segmented flash (CPU; chunking-invariant)"
-                                  if e.kv.k.device.type == "cpu" else "torch sdpa")
-                      + ("; past blocks dequantized per chunk" if e.kv.fmt.quantized else ""),
+                      "prefill": e.runner.kernels()["prefill"],
                       "decode": e.decode_kernel,
+                      "kernels": e.runner.kernels(),
                       "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": e.settings.sparse_min_tokens,
                                  "max_density": e.settings.sparse_max_density,
                                  "keep_ratio": e.settings.sparse_keep_ratio,
@@ -82,9 +85,20 @@ def capability(e: Engine) -> dict:
         "quality": {"gated": [v["profile"] for v in e.quality],
                     "reference": "the same weights with fp32 KV and dense attention",
                     "verdicts": e.quality},
-        "unsupported": list(UNSUPPORTED_MODES),
+        "unsupported": unsupported(),
         "ready": e.ready,
     }
+
+def device_name(dev: torch.device) -> str:
+    """The device in words: the GPU's product name, or the CPU's model name."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return "cpu"
+
 
 def reuse_report(e: Engine) -> dict:
     """Prefix reuse as the capability report shows it."""
@@ -103,10 +117,18 @@ def reuse_exactness(e: Engine) -> str:
     """'bitwise' when this engine's attention and matmuls are chunking-invariant (the CPU torch path: reused,
     branched, restored or decoded K/V are the bits a cold prefill computes; docs/reuse.md) AND the probe measured
     it on this CPU's kernels (model.probe_chunking_invariance), else 'tolerance'."""
-    if (chunking_invariant(e.kv.k.device) and not e.sparse and e.settings.decode_attention != "dispatch"
+    if (e.runner.chunking_invariant and not e.sparse and e.settings.decode_attention != "dispatch"
             and e.model.chunking_probe is None):
         return "bitwise"
     return "tolerance"
+
+def sessions(e: Engine) -> list[dict]:
+    """GET /v1/sessions: each session's tokens, KV blocks (shared ones too), state and totals."""
+    return [{"session_id": s.id, "tokens": len(s.tokens), "kv_tokens": s.kv_len, "kv_blocks": len(s.blocks),
+             "kv_blocks_shared": sum(1 for b in s.blocks if e.kv.ref[b] > 1),
+             "kv_bytes": len(s.blocks) * e.kv.block_bytes, "busy": s.busy, "created": s.created,
+             "last_used": s.last_used, "totals": dict(s.totals)} for s in e._sessions.values()]
+
 
 def metrics(e: Engine) -> dict:
     running = len(e.scheduler.reqs) + e._running_prefills

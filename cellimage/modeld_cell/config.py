@@ -1,24 +1,28 @@
 """The engine's settings (environment, read once) and the parts of a Cell spec it uses.
 
-``CellConfig.from_spec`` reads a spec the API package (modeld_api) has validated, or a bare dict in tests and
-benchmarks; EngineSettings' variables are documented in docs/worker.md (a unit test compares the two).
+``CellConfig.from_spec`` derives the engine's view of a Cell from the spec the API package (modeld_api) validates;
+EngineSettings' variables are documented in docs/worker.md (a unit test compares the two).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from modeld_api.served import unserved_values
+from modeld_api import CellSpec, parse_cell_spec
+from modeld_api.served import unserved
 
 from . import errors
 from .kernels.sparse_prefill import reference as sparse_ref
 from .kv_cache import DEFAULT_KV_MEMORY_MIB, kv_format
 
-SUPPORTED_ATTENTION = ("dense",)
 SPARSE_ATTENTION = ("block-sparse",)
 SPARSE_BLOCK = 64                         # block-sparse prefill: tokens per query/key block (the kernels' default)
 
@@ -85,72 +89,100 @@ def _cpu_has_bf16() -> bool:
     return native and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cpu_compute_dtype() -> str:
+    """The compute dtype the torch backend dequantizes stored weights to on this CPU: bf16 where torch multiplies
+    it natively (half the bytes per decoded token), else fp32."""
+    return "bf16" if _cpu_has_bf16() else "fp32"
+
+
+def _field_error(e: ValidationError) -> errors.BadRequest:
+    """The first problem pydantic found, as a BadRequest naming the spec field (the CRD's own rule)."""
+    errs = e.errors(include_url=False)
+    where = ".".join(str(p) for p in errs[0]["loc"]) or "spec"
+    msg = "; ".join(f"{'.'.join(str(p) for p in x['loc']) or 'spec'}: {x['msg']}" for x in errs)
+    return errors.BadRequest(f"invalid Cell spec: {msg}", field=where)
 
 
 @dataclass
 class CellConfig:
-    """The parts of the Cell CRD's ``.spec`` the engine uses (api/modeld_api/__init__.py is the source)."""
+    """The parts of a validated Cell ``.spec`` (modeld_api.CellSpec, the CRD's source) the engine uses. The spec
+    is parsed in one place, ``from_spec``: the CRD's rules and values, no aliases of the engine's own."""
 
-    backend: str = "torch"
-    device: str = "cpu"
-    model_family: str | None = None
-    model_ref: str | None = None
-    model_digest: str | None = None
-    model_format: str | None = None
+    spec: CellSpec
+    backend: str = "torch"               # runtime.backend: which model runner (runner.py / triton_runner.py)
+    device: str = "cpu"                  # where it computes: loader.resolve_device
     weights: str = "fp32"                 # compute dtype the weights are dequantized to
-    weights_storage: str = "auto"         # what the spec asked for (e.g. q4_1: the file's format, dequantized)
+    weights_storage: str = "fp32"         # what the spec asked for (e.g. q4_1: the file's format, dequantized)
     kv: str = "fp32"
-    attention_requested: str = "dense"
-    prefix_reuse: bool = True
-    context_tier: int | None = None       # None: the model's trained context
     kv_memory_mib: int = DEFAULT_KV_MEMORY_MIB
-    raw: dict = field(default_factory=dict)
+    context_tier: int = 0                 # tokens per session: the spec's contextTier (a test sibling may shrink it)
 
     @classmethod
-    def from_spec(cls, spec: dict | None) -> CellConfig:
-        spec = dict(spec or {})
-        runtime, model, profile = (spec.get("runtime") or {}), (spec.get("model") or {}), (spec.get("profile") or {})
-        c = cls(raw=spec)
-        # the values the CRD accepts (modeld_api), and no others; what this worker does not serve is refused naming
-        # the field, by the same rules the operator applies (modeld_api.served)
-        backend = runtime.get("backend") or "torch"
-        if backend not in ("torch", "triton"):
-            raise errors.BadRequest(f"runtime.backend {backend!r} unknown (torch, triton)", field="runtime.backend")
-        gpus = int((spec.get("topology") or {}).get("gpus") or 0)
-        if refused := unserved_values(backend, gpus, runtime.get("parallelism") or "single"):
+    def from_spec(cls, spec: CellSpec | Mapping[str, Any]) -> CellConfig:
+        """The engine config of ``spec``: a CellSpec, or a Cell manifest / bare spec mapping that is validated as
+        the apiserver would. A value the CRD rejects raises BadRequest; one this worker does not serve raises
+        Unsupported; both name the field (the operator applies the same modeld_api.served rules)."""
+        if not isinstance(spec, CellSpec):
+            try:
+                spec = parse_cell_spec(dict(spec))
+            except ValidationError as e:
+                raise _field_error(e) from None
+        if refused := unserved(spec):
             u = refused[0]
             raise errors.Unsupported(u.message(), field=u.field, value=u.value)
-        c.backend, c.device = "torch", "cpu"
-        c.model_family, c.model_ref = model.get("family"), model.get("ref")
-        c.model_digest, c.model_format = model.get("digest"), model.get("format")
-        weights = str(profile.get("weights") or "auto").lower()
-        c.weights_storage = weights
-        if weights not in _DTYPES:
-            # "auto", or a storage format (q4_1, q8_0, ... of a GGUF): the torch backend dequantizes at load and
-            # computes in bf16 where the hardware multiplies it natively (half the bytes per decoded token), else fp32
-            if weights != "auto" and not re.fullmatch(r"(q\d(_[01k])?(_[sml])?|iq\w+|f16|fp16|gguf|native)", weights):
-                raise errors.BadRequest(f"profile.weights {weights!r} unknown (fp32, bf16, auto, or a GGUF "
-                                        "quantization such as q4_1)", field="profile.weights")
-            weights = "bf16" if _cpu_has_bf16() else "fp32"
-        c.weights = {"float32": "fp32", "bfloat16": "bf16"}.get(weights, weights)
-        kv = str(profile.get("kv") or "auto").lower()
-        c.kv = kv_format(c.weights if kv == "auto" else kv).name  # BadRequest now; canonical name
-        att = profile.get("attention") or "dense"
-        if att not in SUPPORTED_ATTENTION + SPARSE_ATTENTION:
-            raise errors.BadRequest(f"profile.attention {att!r} unknown (dense, block-sparse)",
-                                    field="profile.attention")
-        c.attention_requested = att
-        pr = profile.get("prefixReuse", True)
-        if not isinstance(pr, bool):
-            raise errors.BadRequest(f"profile.prefixReuse must be true or false, got {pr!r}", field="profile.prefixReuse")
-        c.prefix_reuse = pr
-        tier = spec.get("contextTier")
-        if tier is not None and (isinstance(tier, bool) or not isinstance(tier, int) or tier < 1):
-            raise errors.BadRequest(f"contextTier must be a token count, got {tier!r}", field="contextTier")
-        c.context_tier = tier
-        if spec.get("kvMemoryMiB") is not None:
-            c.kv_memory_mib = int(spec["kvMemoryMiB"])
-            if c.kv_memory_mib < 1:
-                raise errors.BadRequest(f"kvMemoryMiB must be >= 1, got {c.kv_memory_mib}", field="kvMemoryMiB")
-        return c
+        weights = _value(spec.profile.weights)
+        compute = weights if weights in _DTYPES else cpu_compute_dtype()  # a stored format: dequantized at load
+        mib = spec.kvMemoryMiB if spec.kvMemoryMiB is not None else DEFAULT_KV_MEMORY_MIB
+        return cls(spec=spec, backend=_value(spec.runtime.backend), weights=compute, weights_storage=weights,
+                   kv=kv_format(_value(spec.profile.kv)).name, kv_memory_mib=mib, context_tier=spec.contextTier)
+
+    # the spec's fields, as the engine reads them
+    @property
+    def model_family(self) -> str:
+        return self.spec.model.family
+
+    @property
+    def model_ref(self) -> str:
+        return self.spec.model.ref
+
+    @property
+    def model_digest(self) -> str | None:
+        return self.spec.model.digest
+
+    @property
+    def model_format(self) -> str:
+        return _value(self.spec.model.format)
+
+    @property
+    def adapter(self) -> str | None:
+        return self.spec.model.adapter
+
+    @property
+    def attention_requested(self) -> str:
+        return _value(self.spec.profile.attention)
+
+    @property
+    def prefix_reuse(self) -> bool:
+        return self.spec.profile.prefixReuse
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The spec as JSON (what a Cell's ``.spec`` says once defaulted)."""
+        return self.spec.model_dump(mode="json", exclude_none=True)
+
+    def with_profile(self, **profile: Any) -> CellConfig:
+        """This cell with ``profile`` fields changed (kv, attention, prefixReuse, ...), validated again."""
+        raw = self.raw
+        raw["profile"] = {**raw["profile"], **profile}
+        out = dataclasses.replace(CellConfig.from_spec(raw), kv_memory_mib=self.kv_memory_mib,
+                                  context_tier=self.context_tier, device=self.device)
+        if "weights" not in profile:
+            out.weights = self.weights    # the compute dtype the device chose (loader.resolve_device) stays
+        return out
+
+
+def _value(x: Any) -> str:
+    return str(x.value if isinstance(x, Enum) else x)

@@ -42,6 +42,33 @@ class SamplingParams:
         return self
 
 
+def validate_tokens(tokens: Any, vocab_size: int, name: str = "tokens") -> list[int]:
+    """``tokens`` as a list of ids in [0, vocab_size); BadRequest naming ``name`` and the first bad index."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise errors.BadRequest(f"{name} must be a list of token ids", field=name)
+    out = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise errors.BadRequest(f"{name}[{i}] = {t!r} is not a token id in [0, {vocab_size})", field=name,
+                                    index=i)
+        out.append(int(t))
+    return out
+
+
+def validate_decode(params: Any, max_tokens: Any, stop_token_ids: Sequence[int], stop: Sequence[str],
+                    vocab_size: int) -> tuple[list[int], list[str]]:
+    """Decode's arguments, checked before anything runs: (stop ids, stop strings); BadRequest naming the field."""
+    if not isinstance(params, SamplingParams):
+        raise errors.BadRequest("params must be SamplingParams")
+    params.validate(vocab_size)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise errors.BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}", field="max_tokens")
+    stop_ids = validate_tokens(list(stop_token_ids), vocab_size, "stop_token_ids")
+    if isinstance(stop, str) or not all(isinstance(x, str) and x for x in stop) or len(stop) > 16:
+        raise errors.BadRequest("stop must be a list of at most 16 non-empty strings", field="stop")
+    return stop_ids, list(stop)
+
+
 @dataclass
 class Trace:
     session_id: str

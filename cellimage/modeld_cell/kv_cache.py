@@ -79,15 +79,13 @@ KV_FORMATS = {
     "fp8-e4m3": KVFormat("fp8-e4m3", torch.float8_e4m3fn, quant="fp8"),
     "int4": KVFormat("int4", torch.uint8, quant="int4"),
 }
-KV_ALIASES = {"fp8": "fp8-e4m3", "fp8_e4m3": "fp8-e4m3", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # Every stored format is a KV precision a cell may ask for. Whether a lossy one (int8, fp8-e4m3, int4) is served is
 # decided when the cell starts, by its quality smoke measured on that machine (profile_gate.py), not here.
 KV_FORMAT_NAMES = sorted(KV_FORMATS)
 
 
 def kv_format(name: str) -> KVFormat:
-    """The format a spec names (aliases accepted); BadRequest if unknown."""
-    name = KV_ALIASES.get(name, name)
+    """The format a spec names (the CRD's profile.kv values); BadRequest if unknown."""
     if name in KV_FORMATS:
         return KV_FORMATS[name]
     raise errors.BadRequest(f"unknown KV precision {name!r}; expected one of {KV_FORMAT_NAMES}", kv=name)

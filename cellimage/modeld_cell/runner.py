@@ -1,6 +1,7 @@
 """The model runner of the torch backend: builds the attention metadata for a forward, owns the decode-kernel
 choice as instance state, and calls the model (vLLM's model runner, in small). One runner per engine; a CUDA / Triton
-backend is another runner with the same three methods, not branches inside the engine.
+backend is another runner with the same three methods, not branches inside the engine. ``TorchThread`` is the one
+thread every forward runs on.
 
     prefill(tokens, start, blocks, sparse) -> (logits [V] fp32 cpu, t_start, sparse_log)
     decode(toks, positions, tables)        -> logits [B, V] fp32 cpu
@@ -9,9 +10,12 @@ backend is another runner with the same three methods, not branches inside the e
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,6 +23,32 @@ from torch import Tensor
 from . import errors
 from .kv_cache import PagedKVCache
 from .model import AttnMetadata, Transformer
+
+
+class TorchThread:
+    """The ONE thread torch work runs on (forward passes never overlap; the event loop stays free). Its intra-op
+    pool is sized there (OpenMP thread counts are per calling thread)."""
+
+    def __init__(self, threads: int) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modeld-torch",
+                                            initializer=torch.set_num_threads, initargs=(threads,))
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, bool]:
+        """Run fn on the thread. Returns (result, cancelled). The job cannot be interrupted once started, so a
+        cancellation waits for it and is reported as ``cancelled=True``: the caller records what the job wrote,
+        then raises CancelledError itself. The job's own exception propagates."""
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        cancelled = False
+        while True:
+            try:
+                return await asyncio.shield(fut), cancelled
+            except asyncio.CancelledError:
+                if fut.cancelled():  # never started (executor shut down)
+                    raise
+                cancelled = True
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 def contig_start(blocks: Sequence[int], nblk: int) -> int | None:
@@ -33,11 +63,29 @@ def contig_start(blocks: Sequence[int], nblk: int) -> int | None:
 
 
 class TorchRunner:
+    name = "torch"
+
     def __init__(self, model: Transformer, kv: PagedKVCache) -> None:
         self.model, self.kv = model, kv
         self.decode_kernel = "torch-reference"          # what decode runs, in words (the capability report)
         self._decode_fn: Callable[..., Tensor] | None = None   # a validated dispatch.paged_decode, or None
         self._quant_dispatch = False                    # quantized decode through dispatch.quant_paged_decode on CPU
+
+    # the backend's attention for every forward (AttnMetadata.attend); None: model.py's torch paths
+    attend: Callable[..., Tensor] | None = None
+
+    @property
+    def chunking_invariant(self) -> bool:
+        """Rows get the same bits however a sequence is chunked (the CPU torch path; model.chunking_invariant)."""
+        from .model import chunking_invariant
+        return chunking_invariant(self.kv.k.device)
+
+    def kernels(self) -> dict[str, str]:
+        """What each kind of forward runs, in words (the capability report)."""
+        dev = self.kv.k.device
+        return {"prefill": ("torch segmented flash (CPU; chunking-invariant)" if self.chunking_invariant
+                            else "torch sdpa") + ("; past blocks dequantized per chunk" if self.kv.fmt.quantized else ""),
+                "decode": self.decode_kernel, "device": str(dev)}
 
     def choose_decode_kernel(self, mode: str) -> None:
         """Validate kernels.dispatch.paged_decode against model.py's torch path; route decode through it when
@@ -102,7 +150,7 @@ class TorchRunner:
             kind="prefill", slot_mapping=self.kv.slots(blocks, start, end).to(dev),
             block_tables=torch.tensor([blocks[:nblk]], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([end], dtype=torch.int32, device=dev), seq_lens_list=[end],
-            block_size=self.kv.block_size, contiguous=[contig_start(blocks, nblk)])
+            block_size=self.kv.block_size, contiguous=[contig_start(blocks, nblk)], attend=self.attend)
         meta.sparse = sparse
         toks = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
@@ -123,6 +171,15 @@ class TorchRunner:
         meta = AttnMetadata(kind="decode", slot_mapping=slots.to(dev), block_tables=bt.to(dev),
                             seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_list=seq,
                             block_size=bs, contiguous=[contig_start(t, n) for t, n in zip(tables, nblks, strict=True)],
-                            decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch)
+                            decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch,
+                            attend=self.attend)
         return self.model(torch.tensor(toks, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta).cpu()
+
+
+def runner_for(backend: str) -> type[TorchRunner]:
+    """The model runner class of ``runtime.backend``."""
+    if backend == "triton":
+        from .triton_runner import TritonRunner
+        return TritonRunner
+    return TorchRunner

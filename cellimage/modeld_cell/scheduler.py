@@ -67,6 +67,26 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator |
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
 
 
+def grant(e: Engine, s: Any, max_tokens: int) -> tuple[int, dict | None]:
+    """How many of ``max_tokens`` the session may generate: clamped to the context tier, then to the KV budget
+    (the clamp is reported in the trace, not an error). Overflow when none fit although some were asked."""
+    granted, clamped = max_tokens, None
+    room = e.context_tier - len(s.tokens)
+    if granted > room:
+        granted, clamped = room, {"field": "max_tokens", "requested": max_tokens, "granted": room,
+                                  "reason": "context tier"}
+    rerun = s.logits is None and s.kv_len == len(s.tokens)        # the last token runs again first
+    cow = e.blocks.cow_need(s, s.kv_len - 1 if rerun else s.kv_len)
+    mem_room = (len(s.blocks) + e.kv.free_blocks - cow) * e.kv.block_size - len(s.tokens)
+    if granted > mem_room:
+        granted, clamped = mem_room, {"field": "max_tokens", "requested": max_tokens, "granted": mem_room,
+                                      "reason": "kv memory budget"}
+    if granted <= 0 and max_tokens > 0:
+        why = "context tier" if room <= 0 else "KV memory budget"
+        raise e._err(errors.Overflow(f"no room to generate: the session holds {len(s.tokens)} tokens and the "
+                                     f"{why} is full", session_id=s.id, session_tokens=len(s.tokens),
+                                     context_tier=e.context_tier, reason=why))
+    return granted, clamped
 
 
 class DecodeScheduler:
@@ -179,7 +199,7 @@ class DecodeScheduler:
             pos = [r.session.kv_len for r in batch]
             tables = [list(r.session.blocks) for r in batch]
             try:
-                logits, _ = await self.e._torch(self.e._forward_decode, toks, pos, tables)
+                logits, _ = await self.e._torch(self.e.runner.decode, toks, pos, tables)
             except errors.Fatal as e:
                 for r in list(self.reqs):
                     self.finish(r, None, errors.Fatal(e.message))

@@ -168,12 +168,9 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
             return {"path": path, "bytes": size, "sha256": digest, "version": SNAPSHOT_VERSION,
                     "session_tokens": len(s.tokens), "kv_tokens": s.kv_len, "identity": header["identity"]}
 
-        fut = asyncio.get_running_loop().run_in_executor(eng._executor, work)
-        try:
-            info = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait({fut})
-            raise
+        info, cancelled = await eng._thread.run(work)   # a cancellation waits for the write to finish
+        if cancelled:
+            raise asyncio.CancelledError()
         info["write_ms"] = elapsed_ms(t0)
         return info
     except OSError as e:

@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from modeld_cell.engine import Engine, EngineSettings
+from modeld_cell.models.fetch import SMOLLM2_REF
 
 from .cellutil import CONTEXT_TIER
 
-SPEC = {"runtime": {"backend": "torch"}, "model": {"family": "smollm2", "format": "gguf"},
+SPEC = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+        "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
         "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
         "contextTier": CONTEXT_TIER, "kvMemoryMiB": 256}
 
@@ -41,15 +43,17 @@ def engine(smollm2_path: str) -> Engine:
 
 
 def engine_factory(base: Engine, spec: dict, made: list[Engine]):
-    """make(kv_mib, kv, identity, settings, **spec_over) -> an engine sharing base's loaded weights, with its own KV
-    pool (kv_mib MiB of format kv, default spec's), settings and identity, its cell spec ``spec`` with spec_over on
-    top. Each engine is appended to ``made`` for the fixture to shut down."""
+    """make(kv_mib, kv, identity, settings, profile, contextTier) -> an engine sharing base's loaded weights, with
+    its own KV pool (kv_mib MiB of format kv, default the profile's), settings, identity, profile (default spec's)
+    and context tier. Each engine is appended to ``made`` for the fixture to shut down."""
 
     def make(kv_mib: int = 64, kv: str | None = None, identity: dict | None = None,
-             settings: EngineSettings | None = None, **spec_over) -> Engine:
-        e = base.sibling(kv=kv, kv_mib=kv_mib, identity=identity,
+             settings: EngineSettings | None = None, profile: dict | None = None,
+             contextTier: int | None = None) -> Engine:
+        p = {**spec["profile"], **(profile or {}), **({"kv": kv} if kv else {})}
+        e = base.sibling(kv_mib=kv_mib, identity=identity,
                          settings=settings or EngineSettings(threads=torch.get_num_threads()),
-                         **{"profile": spec["profile"], **spec_over})
+                         context_tier=contextTier, **p)
         made.append(e)
         return e
 

@@ -123,7 +123,12 @@ def test_quantized_write_read_and_copy_on_write(fmt):
 
 def test_formats():
     assert kv_format("int4").quant == "int4"                 # stored; served where its measured smoke passes
-    assert kv_format("fp8").name == kv_format("fp8_e4m3").name == "fp8-e4m3"
+    import modeld_api
+    # the CRD's KV precisions, each by its own name, and no alias the CRD rejects
+    assert {kv_format(v.value).name for v in modeld_api.KVPrecision} == {v.value for v in modeld_api.KVPrecision}
+    for alias in ("fp8", "fp8_e4m3", "bfloat16"):
+        with pytest.raises(errors.BadRequest):
+            kv_format(alias)
     assert kv_format("int8").quantized and not kv_format("bf16").quantized
     with pytest.raises(errors.BadRequest, match=r"unknown KV precision 'fp7'") as ei:
         kv_format("fp7")

