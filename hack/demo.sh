@@ -34,7 +34,7 @@ fi
 echo "== a CPU cell, its baseline, and a session in namespace $NS"
 k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
 k apply -n "$NS" -f examples/cell-cpu-2k.yaml -f examples/cell-cpu.yaml -f examples/session.yaml
-# The HGX and L40S cells are accepted but not served by this worker version (backend triton): they show Refused with
+# The HGX and L40S cells are accepted but not served by this worker version (multi-rank shapes): they show Refused with
 # the field and the nodes their topology fits, and get no pods (kubectl get cells -o wide shows the reason).
 k apply -n "$NS" -f examples/cell-h100-nvswitch.yaml -f examples/cell-l40s-pcie.yaml
 k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready cell/smollm2-cpu cell/smollm2-cpu-2k --timeout=600s >/dev/null

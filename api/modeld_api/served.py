@@ -6,6 +6,9 @@ the reason for each one it cannot. Both programs read it: the operator refuses s
 the worker refuses the same spec at start with ``Unsupported`` naming the field. A value neither listed here nor
 rejected by the schema is served; ``tests/unit/test_served.py`` walks every enum value of the CRD against this.
 
+A served ``runtime.backend: triton`` cell still needs its GPU: a worker that sees no CUDA device refuses the spec at
+start, naming runtime.backend, and the Cell's status says so (``Ready=False``, reason ``WorkerRefusedSpec``).
+
 Lossy profiles that the worker serves only when their quality smoke passes on the machine (quantized KV, block-sparse
 prefill) are served here: that verdict is a measurement at start (the worker's profile_gate), not a property of the
 spec.
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from . import CellSpec
+from . import Backend, CellSpec, KVPrecision, Parallelism, WeightPrecision
 
 
 def _v(x: Any) -> str:
@@ -40,29 +43,73 @@ class Unserved:
 # Weight formats the worker computes from: dequantized at load to the compute dtype (bf16 / fp32), or used as is.
 SERVED_WEIGHTS = ("fp32", "bf16", "fp16", "q8_0", "q4_1", "q4_k_m")
 
+REASONS = {
+    "topology.gpus": "the torch backend computes on the CPU only: a cell holding GPUs would leave them idle "
+                     "(use topology.gpus 0 for a CPU cell, or runtime.backend triton for a GPU cell)",
+    "topology.gpus.single": "a single-process triton cell computes on one GPU: the others would sit idle (use "
+                            "topology.gpus 1; multi-rank shapes are not built yet)",
+    "runtime.parallelism": "this worker version runs one process per cell; multi-rank shapes are not built yet",
+    "profile.weights": "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
+                       f"from one of {', '.join(SERVED_WEIGHTS)}",
+    "profile.kv": "the triton backend's prefill kernel reads int8 / fp8 caches, not packed rotated int4 (the torch "
+                  "backend serves int4)",
+}
+
 
 def unserved(spec: CellSpec) -> list[Unserved]:
     """Every value of ``spec`` this worker version cannot serve, in field order; [] when it serves them all."""
-    return unserved_values(_v(spec.runtime.backend), spec.topology.gpus, _v(spec.runtime.parallelism),
-                           _v(spec.profile.weights))
-
-
-def unserved_values(backend: str, gpus: int, parallelism: str, weights: str | None = None) -> list[Unserved]:
-    """The rules of ``unserved`` on the values themselves, for a reader that holds a spec as a plain mapping (the
-    worker's engine config); ``weights`` None leaves that field to the caller."""
+    backend, parallelism, weights = _v(spec.runtime.backend), _v(spec.runtime.parallelism), _v(spec.profile.weights)
     out: list[Unserved] = []
-    if backend == "triton":
-        out.append(Unserved("runtime.backend", backend,
-                            "this worker version has no triton (CUDA) runtime yet; the torch backend is the CPU cell"))
-    elif gpus >= 1:
-        out.append(Unserved("topology.gpus", str(gpus),
-                            "the torch backend computes on the CPU only: a cell holding GPUs would leave them idle "
-                            "(use topology.gpus 0 for a CPU cell)"))
-    if parallelism != "single":
-        out.append(Unserved("runtime.parallelism", parallelism,
-                            "this worker version runs one process per cell; multi-rank shapes are not built yet"))
-    if weights is not None and weights not in SERVED_WEIGHTS:
-        out.append(Unserved("profile.weights", weights,
-                            "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
-                            f"from one of {', '.join(SERVED_WEIGHTS)}"))
+    gpus = spec.topology.gpus
+    if backend == Backend.torch.value and gpus >= 1:
+        out.append(Unserved("topology.gpus", str(gpus), REASONS["topology.gpus"]))
+    elif backend == Backend.triton.value and gpus == 0:     # the CRD's CEL rule too; here for specs read directly
+        out.append(Unserved("topology.gpus", "0", "the triton backend runs on GPUs: topology.gpus must be at least 1"))
+    elif backend == Backend.triton.value and gpus > 1 and parallelism == Parallelism.single.value:
+        out.append(Unserved("topology.gpus", str(gpus), REASONS["topology.gpus.single"]))
+    if parallelism != Parallelism.single.value:
+        out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism"]))
+    if weights not in SERVED_WEIGHTS:
+        out.append(Unserved("profile.weights", weights, REASONS["profile.weights"]))
+    kv = _v(spec.profile.kv)
+    if backend == Backend.triton.value and kv == KVPrecision.int4.value:
+        out.append(Unserved("profile.kv", kv, REASONS["profile.kv"]))
     return out
+
+
+# Enum fields of the spec and their enums: what ``not_served`` walks.
+ENUM_FIELDS = (("runtime.backend", Backend), ("runtime.parallelism", Parallelism),
+               ("profile.weights", WeightPrecision))
+_PROBE = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
+          "model": {"family": "probe", "ref": "probe"}, "profile": {"weights": "fp32", "kv": "fp32"},
+          "contextTier": 512}
+
+
+def not_served() -> list[str]:
+    """What no Cell of this version serves, one line per field, found by running ``unserved`` over every value of
+    each enum field of a CPU cell, the GPU counts of each backend, and the KV precisions of a triton cell: the
+    capability report's "unsupported"."""
+    out = []
+    for path, enum in ENUM_FIELDS:
+        refused = [v.value for v in enum if any(u.field == path for u in unserved(_probe(path, v.value)))]
+        if refused:
+            out.append(f"{path}: {', '.join(refused)}")
+    if any(u.field == "topology.gpus" for u in unserved(_probe("topology.gpus", 1))):
+        out.append("topology.gpus: >= 1 with runtime.backend torch")
+    if any(u.field == "topology.gpus" for u in unserved(_probe("topology.gpus", 2, backend="triton"))):
+        out.append("topology.gpus: >= 2 with runtime.backend triton and runtime.parallelism single")
+    triton_kv = [v.value for v in KVPrecision
+                 if any(u.field == "profile.kv" for u in unserved(_probe("profile.kv", v.value, backend="triton")))]
+    if triton_kv:
+        out.append(f"profile.kv: {', '.join(triton_kv)} with runtime.backend triton")
+    return out
+
+
+def _probe(path: str, value: Any, backend: str = "torch") -> CellSpec:
+    spec: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in _PROBE.items()}
+    if backend == "triton":
+        spec["runtime"] = {"backend": "triton"}
+        spec["topology"] = {"gpus": 1, "interconnect": "none"}
+    section, key = path.split(".")
+    spec[section][key] = value
+    return CellSpec.model_validate(spec)

@@ -110,7 +110,7 @@ class AttnMetadata:
     contiguous:    per session, the first block id when its blocks are consecutive ids (zero-copy views), else None
     sparse:        prefill only: block-sparse settings ({"block_size", "keep_ratio", "max_keep_tokens", "min_tokens",
                    "max_density"}) when the cell asked for block-sparse and this chunk qualifies
-                   (engine._sparse_meta); None = dense
+                   (sparse_policy.SparsePolicy.meta); None = dense
     sparse_log:    filled by paged_attention, one {"path", "density", "backend"} per layer that tried sparse
     """
 
@@ -131,6 +131,9 @@ class AttnMetadata:
     # a quantized cache decodes through ``dispatch.quant_paged_decode`` on CPU too (MODELD_DECODE_ATTENTION=dispatch);
     # by default the CPU dequantizes into _segmented_attention like a prefill. Always the fused kernel off the CPU.
     quant_decode_dispatch: bool = False
+    # A backend's whole attention, carried per forward: fn(q, k_new, v_new, k_cache, v_cache, meta, scales) -> [N, Hq,
+    # D] (the triton runner's kernels, triton_runner.py); None = the torch paths below.
+    attend: Callable[..., Tensor] | None = None
 
 
 # Present since torch 2.3: flash attention on CPU that also returns the natural-log LSE, needed to merge the
@@ -311,6 +314,8 @@ def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_
 def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                meta: AttnMetadata, scales: tuple[Tensor, Tensor] | None) -> Tensor:
     """paged_attention in the basis the cache stores (shapes as there)."""
+    if meta.attend is not None:
+        return meta.attend(q, k_new, v_new, k_cache, v_cache, meta, scales)
     n_tok, hq, d = q.shape
     hkv = k_new.shape[1]
     g = hq // hkv
@@ -555,7 +560,7 @@ class Transformer(nn.Module):
             raise KeyError(f"model parameters not in checkpoint: {sorted(missing)[:5]}")
         with torch.no_grad():
             for name, t in new.items():
-                own[name].data = t.to(dtype).contiguous()
+                own[name].data = t.to(device=own[name].device, dtype=dtype).contiguous()   # stays on the model's device
             if a.tie_embeddings:
                 self.output.weight = self.tok_embeddings.weight
         # buffers (RoPE tables) stay fp32: positions up to 128k need more than bf16's 8 bits of mantissa

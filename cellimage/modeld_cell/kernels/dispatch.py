@@ -20,6 +20,7 @@ import torch
 
 from .merge import reference as _merge_ref
 from .paged_decode import reference as _paged_ref
+from .paged_prefill import reference as _prefill_ref
 from .quant_kv import reference as _quant_ref
 from .sparse_prefill import reference as _sparse_ref
 
@@ -95,8 +96,10 @@ def get_backend(device: torch.device | str, force: str | None = None) -> str:
 def _impl(family: str, device: torch.device, force: str | None) -> Any:
     """The module implementing family on the chosen backend (triton modules are imported only here)."""
     if get_backend(device, force) == "torch":
-        return {"merge": _merge_ref, "paged_decode": _paged_ref, "quant_kv": _quant_ref, "sparse": _sparse_ref}[family]
-    sub = {"merge": "merge", "paged_decode": "paged_decode", "quant_kv": "quant_kv", "sparse": "sparse_prefill"}
+        return {"merge": _merge_ref, "paged_decode": _paged_ref, "paged_prefill": _prefill_ref, "quant_kv": _quant_ref,
+                "sparse": _sparse_ref}[family]
+    sub = {"merge": "merge", "paged_decode": "paged_decode", "paged_prefill": "paged_prefill", "quant_kv": "quant_kv",
+           "sparse": "sparse_prefill"}
     return importlib.import_module(f"{__package__}.{sub[family]}.triton")
 
 
@@ -131,6 +134,23 @@ def paged_decode(
     """
     mod = _impl("paged_decode", q.device, force)
     return mod.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, return_lse, check_tables)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    past: int,
+    sm_scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    force: str | None = None,
+) -> torch.Tensor:
+    """Causal prefill of T rows at positions past..past+T-1 over the paged cache. q [T, Hq, D]; k/v_cache
+    [NB, BS, Hkv, D] (q's dtype, or int8 / fp8 with k/v_scale [NB, BS, Hkv]); block_table [MB] int32 -> [T, Hq, D]."""
+    mod = _impl("paged_prefill", q.device, force)
+    return mod.paged_prefill(q, k_cache, v_cache, block_table, past, sm_scale, k_scale, v_scale)
 
 
 def quant_paged_decode(

@@ -77,19 +77,30 @@ def source_key(path: str | os.PathLike) -> str:
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",
-                use_digest_cache: bool = True) -> tuple[Transformer, str, str]:
-    """Returns (model in eval mode, weights digest "sha256:...", source sha256 of the file)."""
+                use_digest_cache: bool = True, layers: int | None = None) -> tuple[Transformer, str, str]:
+    """Returns (model in eval mode, weights digest "sha256:...", source sha256 of the file). ``layers``: only the
+    first that many transformer layers (then the final norm and the head), for proofs that run the slow interpreter
+    on a stated prefix of the model (the digest is then the truncated model's)."""
+    import dataclasses
+
     from modeld_cell.model import Transformer
 
+    args, tensors = ckpt.args, ckpt.tensors
+    if layers is not None:
+        if not 1 <= layers <= args.n_layers:
+            raise ValueError(f"layers must be in [1, {args.n_layers}], got {layers}")
+        args = dataclasses.replace(args, n_layers=layers)
+        tensors = {k: t for k, t in tensors.items()
+                   if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     with torch.device("meta"):
-        model = Transformer(ckpt.args)
+        model = Transformer(args)
     # materialise on the real device (uninitialised); load_hf_state_dict then replaces every parameter
     model = model.to_empty(device=device)
     model.init_rope()
-    model.load_hf_state_dict(ckpt.tensors, dtype)
+    model.load_hf_state_dict(tensors, dtype)
     model.eval()
     key = source_key(ckpt.path)
-    cache = _digest_cache_path(key, dtype)
+    cache = _digest_cache_path(key if layers is None else f"{key}-layers{layers}", dtype)
     digest = None
     if use_digest_cache and cache.exists():
         digest = cache.read_text().strip() or None

@@ -98,19 +98,21 @@ def dense_causal_attention(
     q0 = S - T
     if T == 0:
         return torch.empty_like(q)
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D], [Hkv, S, D]
+    # 4-D [1, H, T, D] / [1, Hkv, S, D]: CUDA's flash and memory-efficient SDPA kernels take only 4-D inputs; 3-D ones
+    # fall back to the math kernel, which materializes [H, T, S] scores (out of memory at 32k+)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if q0 == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=sm_scale, enable_gqa=Hkv != H)
-        return out.transpose(0, 1).contiguous()
+        return out[0].transpose(0, 1).contiguous()
     out = torch.empty_like(q)
     rows = max(1, max_chunk_elems // S)
     for r0 in range(0, T, rows):  # loop over chunks of query rows, not tokens
         r1 = min(T, r0 + rows)
         n = q0 + r1  # keys the chunk can see
         mask = torch.ones(r1 - r0, n, dtype=torch.bool, device=q.device).tril(q0 + r0)  # key j <= q0 + r0 + i
-        o = F.scaled_dot_product_attention(qh[:, r0:r1], kh[:, :n], vh[:, :n], attn_mask=mask, scale=sm_scale,
-                                           enable_gqa=Hkv != H)  # [H, rows, D]  # fmt: skip
-        out[r0:r1] = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh[:, :, r0:r1], kh[:, :, :n], vh[:, :, :n], attn_mask=mask,
+                                           scale=sm_scale, enable_gqa=Hkv != H)  # [1, H, rows, D]  # fmt: skip
+        out[r0:r1] = o[0].transpose(0, 1)
     return out
 
 
