@@ -2,7 +2,8 @@
 # A separate virtualenv for the CPU peers that benchmarks/peers_cpu.py compares modeld with (benchmark-only: never
 # installed into the project's .venv):
 #   * llama-cpp-python, built from source without AMX: the prebuilt/default build dies with SIGILL in ggml's AMX
-#     matrix code on these machines (shared/FIELD-NOTES.md, "CPU peers measured on a machine of this kind");
+#     matrix code on these machines (`tilezero`; ggml-org/llama.cpp#26954), so it is built with
+#     -mno-amx-tile -mno-amx-int8 -mno-amx-bf16;
 #   * transformers + torch (the same torch as the project's lock, run on the CPU), gguf, numpy.
 # Idempotent: the venv is keyed by the versions and the build flags below; the llama-cpp-python wheel is built once
 # (a long compile on 2 cores) and kept under ~/.cache/modeld/peers-wheels/KEY, so a rerun does almost nothing.

@@ -2,7 +2,8 @@
 
 A partial state is the attention of some queries over a subset of the keys (one KV split, or one GPU's KV shard):
 ``out_s`` is already normalised over that subset and ``lse_s`` is the NATURAL-LOG log-sum-exp of the scaled scores
-over it. Merging is exact (FIELD-NOTES "Merging partial attention"):
+over it. Merging is exact (the log-sum-exp identity FlashAttention's split-KV decode and vLLM's
+``merge_attn_states`` rest on; vLLM uses natural-log LSE as here, FlashInfer base 2):
 
     m = max_s lse_s,  w_s = exp(lse_s - m),  out = sum_s w_s out_s / sum_s w_s,  lse = m + log sum_s w_s
 
