@@ -112,16 +112,22 @@ async def test_context_overflow_refused_state_untouched(engine):
     engine.close_session("ovf")
 
 
-async def test_max_tokens_clamped_to_context_tier(make_engine):
+async def test_max_tokens_clamped_to_context_tier(make_engine, monkeypatch):
+    """61 tokens in a 64-token tier: max_tokens 50 is clamped to 3, all 3 are generated, and then the tier is full.
+    The engine always adds the tokenizer's EOS ids to the stop set; they are emptied here (the tokenizer object is
+    the shared one, restored after the test) so that nothing but the clamp can end the decode."""
     eng = make_engine(kv_mib=8, contextTier=64)
+    monkeypatch.setattr(eng.tokenizer, "eos_token_ids", [])
     ids = eng.tokenizer.encode("one two three four five six seven eight nine ten " * 8)[:61]
     await eng.ensure_prefix("c", ids)
     toks, _, last = await generate(eng, "c", 50, stop_token_ids=[])
     assert last.trace.clamped == {"field": "max_tokens", "requested": 50, "granted": 3, "reason": "context tier"}
-    assert len(toks) <= 3 and last.trace.session_tokens <= 64
-    if last.trace.session_tokens == 64:
-        with pytest.raises(errors.Overflow):
-            await generate(eng, "c", 5)
+    assert len(toks) == 3 and last.finish_reason == "length" and last.trace.session_tokens == 64
+    assert toks == greedy_reference(eng, ids, 3)
+    with pytest.raises(errors.Overflow) as ei:
+        await generate(eng, "c", 5)
+    assert {k: ei.value.details[k] for k in ("session_tokens", "context_tier", "reason")} == \
+        {"session_tokens": 64, "context_tier": 64, "reason": "context tier"}
 
 
 async def test_memory_exhaustion_overflow_others_intact(make_engine):
@@ -239,11 +245,13 @@ async def test_snapshot_refusals_leave_target_untouched(engine, make_engine, tmp
             await other.restore("t", str(p))
         check_untouched()
     foreign = make_engine(kv_mib=16, identity={"model_digest": "sha256:" + "0" * 64})
-    with pytest.raises(errors.BadRequest, match="foreign.*model_digest"):
+    with pytest.raises(errors.BadRequest) as ei:
         await foreign.restore("t", good)
+    assert set(ei.value.details["mismatch"]) == {"model_digest"}
     bf16 = make_engine(kv_mib=16, kv="bf16")
-    with pytest.raises(errors.BadRequest, match="kv_dtype"):
+    with pytest.raises(errors.BadRequest) as ei:
         await bf16.restore("t", good)
+    assert ei.value.details["mismatch"] == {"kv_dtype": {"snapshot": "fp32", "engine": "bf16"}}
     with pytest.raises(errors.NotFound):
         await other.restore("t", str(tmp_path / "missing.snap"))
     check_untouched()
@@ -334,7 +342,7 @@ async def test_fatal_backend_error_marks_not_ready(make_engine):
     def boom(*a, **k):
         raise RuntimeError("simulated device failure")
 
-    eng._forward_decode = boom
+    eng.runner.decode = boom                     # the backend's decode forward (runner.py) fails
     with pytest.raises(errors.Fatal):
         await generate(eng, "f", 3)
     assert eng.ready is False

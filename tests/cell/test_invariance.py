@@ -49,7 +49,7 @@ def sibling(bf16: Engine):
 
     def sib(chunk: int = 512, kv: str = "bf16", prefix_reuse: bool = True) -> Engine:
         return make(kv=kv, settings=EngineSettings(threads=torch.get_num_threads(), prefill_chunk=chunk),
-                    profile={**bf16.config.raw["profile"], "kv": kv, "prefixReuse": prefix_reuse})
+                    profile={"prefixReuse": prefix_reuse})
 
     yield sib
     for e in made:

@@ -180,11 +180,15 @@ async def test_trace_metrics_and_capability_report_reuse(engine, make_engine):
     p = prompt(engine, 64)
     miss = await eng.ensure_prefix("m", p)
     assert miss.reuse["hit"] is False and miss.reuse["source"] is None and miss.reuse["time_saved_ms_est"] == 0
+    rate = eng._prefill_rate()             # tokens/s this engine measured so far: the miss's 64 tokens
+    assert rate is not None and rate > 0
     hit = await eng.ensure_prefix("h", p + [42])
     r = hit.reuse
     assert r["hit"] is True and r["tokens_reused"] == hit.tokens_reused == 64 and hit.tokens_computed == 1
     assert r["bytes_reused"] == 64 * eng.kv.bytes_per_token and r["blocks_shared"] == 4
-    assert r["time_saved_ms_est"] > 0 and r["lookup_ms"] >= 0
+    # the estimate is the reused tokens at the rate measured before this request (planned before it prefills)
+    assert r["time_saved_ms_est"] == round(64 / rate * 1e3, 3)
+    assert isinstance(r["lookup_ms"], float)
     m = eng.metrics()
     assert m["prefix_cache_queries"] == 64 + 65 and m["prefix_cache_hits"] == 64
     assert m["prefix_cache_blocks"] == 4 and m["prefix_cache_blocks_shared_total"] == 4

