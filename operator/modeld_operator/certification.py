@@ -1,5 +1,5 @@
 """Certification as the operator sees it: when a Cell needs measuring, the Job that measures it, and reading the
-verdict back. Pure functions; handlers/cell.py acts on them.
+verdict back. Pure functions (``next_step`` decides from what the handler read); handlers/cell.py acts on them.
 
 The Job runs the cell image's `modeld-cell certify` against the cell's ready endpoint and its baseline's, and writes
 a small JSON summary to its termination message (the kubelet hands that back in the pod status), so the operator
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 import modeld_api as api
+
+from .cellstatus import Verdict   # a condition: (status True/False/None for Unknown, reason, message)
 
 TERMINATION_LOG = "/dev/termination-log"
 DEFAULT_TIERS = (1024, 4096, 8192, 32768, 131072)
@@ -160,3 +164,94 @@ def verdict_from_pod(pod: dict[str, Any]) -> tuple[str, api.Certification | None
     except (ValueError, KeyError, TypeError, ValidationError) as exc:
         return "failed", None, f"unreadable certification summary: {exc}"
     return "done", cert, cert.reason or ""
+
+
+def gate_reason(text: str) -> str:
+    """A condition reason is CamelCase: 'context-tier' becomes 'GateContextTier'."""
+    words = re.findall(r"[A-Za-z0-9]+", text)
+    return "Gate" + "".join(w[:1].upper() + w[1:] for w in words) if words else "Gate"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The cell's baseline as read from the apiserver: ``spec``/``url`` when it exists with a ready worker, else
+    ``missing`` (no such Cell) or no ``url`` (not ready yet)."""
+
+    name: str
+    spec: api.CellSpec | None = None
+    url: str | None = None
+    missing: bool = False
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the handler read for one reconcile of a cell's certification."""
+
+    name: str
+    namespace: str
+    spec: api.CellSpec
+    ready_url: str | None                       # the first ready worker's URL, None when none is ready
+    node_labels: dict[str, str]                 # of that worker's node
+    old: dict[str, Any] | None                  # status.certification as stored
+    annotations: dict[str, str] = field(default_factory=dict)
+    baseline: Baseline | None = None            # None: the cell names no baseline
+    job_pods: list[dict[str, Any]] = field(default_factory=list)   # pods of the Job for ``target(...)``'s key
+    now: str = ""                               # RFC 3339, for a failed measurement's record
+
+
+@dataclass(frozen=True)
+class Step:
+    """What to do: store ``cert`` as status.certification (the old one when unchanged), set the Certified
+    condition to ``verdict`` (None: leave it), create ``job`` (a manifest) and record ``event`` (reason, message)."""
+
+    cert: dict[str, Any] | None
+    verdict: Verdict | None
+    job: dict[str, Any] | None = None
+    event: tuple[str, str] | None = None
+
+
+def target(o: Observed) -> tuple[str, str, str] | None:
+    """(topology, key, job name) of the measurement the cell needs now; None while it cannot be measured (no ready
+    worker, or the baseline is missing or not ready)."""
+    if o.ready_url is None or (o.baseline is not None and o.baseline.url is None):
+        return None
+    topology = topology_of(o.spec, o.node_labels)
+    key = certification_key(o.spec, topology, o.baseline.spec if o.baseline else None)
+    return topology, key, job_name(o.name, key)
+
+
+def next_step(o: Observed) -> Step:
+    """The cell's certification on the topology it runs on: kept while nothing measured changes, else measured by a
+    Job, then read back from the Job's pod. Pure: the handler reads ``o`` and acts on the Step."""
+    if o.ready_url is None:
+        return Step(o.old, None)
+    if o.baseline is not None and o.baseline.missing:
+        return Step(o.old, (False, "BaselineMissing", f"baseline cell {o.baseline.name} does not exist in {o.namespace}"))
+    if o.baseline is not None and o.baseline.url is None:
+        return Step(o.old, (None, "WaitingForBaseline", f"baseline cell {o.baseline.name} has no ready worker yet"))
+    t = target(o)
+    assert t is not None
+    topology, key, job = t
+    if o.old and o.old.get("key") == key and o.old.get("measuredAt"):
+        gate = o.old.get("gate") or ("CertificationFailed" if not o.old.get("certified") else "Certified")
+        return Step(o.old, (bool(o.old.get("certified")), gate_reason(gate), o.old.get("reason") or ""))
+    measuring = f"job {job} measures the cell on {topology}"
+    if not o.job_pods:
+        try:
+            tiers = tiers_for(o.spec, o.annotations)
+            extra = extra_args(o.annotations)
+        except ValueError as exc:
+            return Step(o.old, (False, "InvalidCertifyAnnotation", str(exc)))
+        base = (o.baseline.name, o.baseline.spec, o.baseline.url) if o.baseline and o.baseline.spec and o.baseline.url else None
+        manifest = job_manifest(o.name, o.namespace, o.spec, o.ready_url, topology, key, tiers, base, extra)
+        return Step(o.old, (None, "Certifying", measuring), job=manifest, event=("Certifying", measuring))
+    state, cert, message = verdict_from_pod(o.job_pods[0])
+    if state == "running":
+        return Step(o.old, (None, "Certifying", measuring))
+    if cert is None:
+        failed = api.Certification(certified=False, reason=message, topology=topology, key=key, job=job,
+                                   gate="CertificationFailed", measuredAt=o.now)
+        return Step(failed.model_dump(mode="json", exclude_none=True), (False, "CertificationFailed", message))
+    cert.key, cert.job, cert.topology = key, job, cert.topology or topology
+    return Step(cert.model_dump(mode="json", exclude_none=True),
+                (cert.certified, gate_reason(cert.gate or "none"), cert.reason or ""))

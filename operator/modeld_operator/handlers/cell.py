@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from typing import Any
 
 import kopf
@@ -55,62 +55,35 @@ def worker_refusal(code: int, body: Any) -> str | None:
     return None
 
 
-def _reason(text: str) -> str:
-    """A condition reason is CamelCase: 'context-tier' becomes 'GateContextTier'."""
-    words = re.findall(r"[A-Za-z0-9]+", text)
-    return "Gate" + "".join(w[:1].upper() + w[1:] for w in words) if words else "Gate"
-
-
-Verdict = tuple[bool | None, str, str]
-
-
 def certify(
     name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, endpoints: list[api.Endpoint],
     labels_of: dict[str, dict[str, str]], old: dict[str, Any] | None,
-) -> tuple[dict[str, Any] | None, Verdict | None]:
-    """The cell's certification on the topology it runs on: kept while nothing measured changes, else measured by a Job.
-
-    Returns the status.certification to store and the Certified condition (None: leave both as they are)."""
+) -> tuple[dict[str, Any] | None, certification.Verdict | None]:
+    """Read what certification.next_step needs, call it, act on its Step. Returns the status.certification to store
+    and the Certified condition (None: leave both as they are)."""
     ready = [e for e in endpoints if e.ready and e.url]
-    if not ready:
-        return old, None
-    topology = certification.topology_of(spec, labels_of.get(ready[0].node or "", {}))
-    baseline: tuple[str, api.CellSpec, str] | None = None
-    if spec.baseline:
+    baseline = None
+    if spec.baseline and ready:
         bobj = kube.get_object("cells", namespace, spec.baseline)
-        if bobj is None:
-            return old, (False, "BaselineMissing", f"baseline cell {spec.baseline} does not exist in {namespace}")
-        bready = [e for e in (bobj.get("status") or {}).get("endpoints") or [] if e.get("ready") and e.get("url")]
-        if not bready:
-            return old, (None, "WaitingForBaseline", f"baseline cell {spec.baseline} has no ready worker yet")
-        baseline = (spec.baseline, api.CellSpec.model_validate(bobj["spec"]), bready[0]["url"])
-    key = certification.certification_key(spec, topology, baseline[1] if baseline else None)
-    if old and old.get("key") == key and old.get("measuredAt"):
-        gate = old.get("gate") or ("CertificationFailed" if not old.get("certified") else "Certified")
-        return old, (bool(old.get("certified")), _reason(gate), old.get("reason") or "")
-    job = certification.job_name(name, key)
-    pods = kube.list_pods(namespace, f"job-name={job}")
-    if not pods:
-        annotations = dict(body.get("metadata", {}).get("annotations") or {})
-        try:
-            tiers = certification.tiers_for(spec, annotations)
-            extra = certification.extra_args(annotations)
-        except ValueError as exc:
-            return old, (False, "InvalidCertifyAnnotation", str(exc))
-        manifest = certification.job_manifest(name, namespace, spec, ready[0].url or "", topology, key, tiers, baseline, extra)
-        kopf.append_owner_reference(manifest, owner=body)
-        kube.create_job(manifest)
-        kopf.event(body, type="Normal", reason="Certifying", message=f"job {job} measures the cell on {topology}")
-        return old, (None, "Certifying", f"job {job} measures the cell on {topology}")
-    state, cert, message = certification.verdict_from_pod(pods[0])
-    if state == "running":
-        return old, (None, "Certifying", f"job {job} measures the cell on {topology}")
-    if cert is None:
-        failed = api.Certification(certified=False, reason=message, topology=topology, key=key, job=job,
-                                   gate="CertificationFailed", measuredAt=conditions_now())
-        return failed.model_dump(mode="json", exclude_none=True), (False, "CertificationFailed", message)
-    cert.key, cert.job, cert.topology = key, job, cert.topology or topology
-    return cert.model_dump(mode="json", exclude_none=True), (cert.certified, _reason(cert.gate or "none"), cert.reason or "")
+        bready = [e for e in ((bobj or {}).get("status") or {}).get("endpoints") or [] if e.get("ready") and e.get("url")]
+        baseline = certification.Baseline(
+            spec.baseline, missing=bobj is None,
+            spec=api.CellSpec.model_validate(bobj["spec"]) if bobj is not None else None,
+            url=bready[0]["url"] if bready else None)
+    o = certification.Observed(
+        name=name, namespace=namespace, spec=spec, ready_url=ready[0].url if ready else None,
+        node_labels=labels_of.get(ready[0].node or "", {}) if ready else {}, old=old,
+        annotations=dict(body.get("metadata", {}).get("annotations") or {}), baseline=baseline, now=conditions_now())
+    t = certification.target(o)
+    if t is not None and not (old and old.get("key") == t[1] and old.get("measuredAt")):
+        o = dataclasses.replace(o, job_pods=kube.list_pods(namespace, f"job-name={t[2]}"))
+    step = certification.next_step(o)
+    if step.job is not None:
+        kopf.append_owner_reference(step.job, owner=body)
+        kube.create_job(step.job)
+    if step.event is not None:
+        kopf.event(body, type="Normal", reason=step.event[0], message=step.event[1])
+    return step.cert, step.verdict
 
 
 @kopf.index("", "v1", "nodes")
