@@ -2,7 +2,8 @@
 
     PYTHONPATH=cellimage python benchmarks/kernels.py --out _out/kernels.json
 
-On CUDA: paged decode achieved bandwidth (K+V bytes read / time) as a fraction of HBM peak at 32k and 128k context,
+On CUDA: paged decode achieved bandwidth (K+V bytes read / time) as a fraction of HBM peak and of the measured
+device-to-device copy rate (bench "copy") at 32k and 128k context,
 the fused quantized decode (int8 / fp8 / int4) against bf16, block-sparse vs dense (SDPA) prefill at 32k/64k/128k
 fresh and as a chunk after a cached past (--sparse-past), and the split merge; timings are triton.testing.do_bench
 medians. Every triton provider is first checked against
@@ -47,6 +48,7 @@ class Runner:
         self.args = args
         self.rows: list[dict] = []
         self.failed: list[str] = []
+        self.copy_Bps = float("nan")   # the measured device copy rate (bench_decode)
 
     def time_ms(self, fn) -> float:
         """Median milliseconds of fn()."""
@@ -97,7 +99,21 @@ def make_cache(B: int, ctx: int, Hkv: int, D: int, BS: int, dtype: torch.dtype, 
     return k, v, bt, torch.full((B,), ctx, dtype=torch.int32, device=device)
 
 
+def copy_rate_Bps(r: Runner) -> float:
+    """The device-to-device copy rate this device sustains (bytes read + written per second): a 1 GiB buffer on CUDA
+    (64 MiB on CPU) copied into another, median time. The decode kernels' reachable ceiling is nearer this than the
+    datasheet's HBM peak."""
+    n = (1 << 30) if r.device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=r.device)
+    dst = torch.empty_like(src)
+    ms = r.time_ms(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3)      # the buffers go when this returns
+
+
 def bench_decode(r: Runner, use_triton: bool) -> None:
+    r.copy_Bps = copy_rate_Bps(r)
+    r.add(bench="copy", provider="torch", bytes=2 * ((1 << 30) if r.device.type == "cuda" else (64 << 20)),
+          achieved_GBps=r.copy_Bps / 1e9)
     cuda = r.device.type == "cuda"
     if cuda:
         cases = [(m, ctx, B) for m, per in (("llama8b", {32768: 8, 131072: 2}), ("smollm2", {32768: 16, 131072: 4}))
@@ -128,7 +144,8 @@ def _decode_case(r: Runner, use_triton: bool, model: str, ctx: int, B: int) -> N
     def add(bench: str, provider: str, ms: float, nbytes: int, **extra) -> None:
         gbs = nbytes / (ms * 1e-3) / 1e9
         r.add(bench=bench, provider=provider, **shape, ms=ms, kv_bytes=nbytes, achieved_GBps=gbs,
-              frac_of_hbm_peak=(gbs * 1e9 / peak) if peak else None, **extra)  # fmt: skip
+              frac_of_hbm_peak=(gbs * 1e9 / peak) if peak else None,
+              frac_of_copy_rate=gbs * 1e9 / r.copy_Bps, **extra)  # fmt: skip
 
     ref_out = paged_ref.paged_decode(q, k, v, bt, sl, check_tables=False)
     add("paged_decode", "torch", r.time_ms(lambda: paged_ref.paged_decode(q, k, v, bt, sl, check_tables=False)),

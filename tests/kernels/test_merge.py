@@ -115,3 +115,20 @@ def test_triton_merge_two_vs_reference(case, dtype, device):
     atol, rtol = TOL[dtype]
     assert_close(f"{case} out", ref_out.float(), out.float(), atol, rtol)
     assert_close(f"{case} lse", ref_lse, lse, 1e-5, 1e-5)
+
+
+def test_the_split_count_is_no_compile_key():
+    """The merge runs for a split count that grows with the context: S must be a plain runtime argument (not a
+    constexpr block size, not specialized), so one compiled kernel serves every count."""
+    from modeld_cell.kernels.merge import triton as mtri
+
+    import inspect
+
+    k = mtri._merge_states_kernel          # a JITFunction on CUDA, an InterpretedFunction under the interpreter
+    fn = getattr(k, "fn", k)
+    params = inspect.signature(fn).parameters
+    constexprs = [n for n, p in params.items() if "constexpr" in str(p.annotation)]
+    assert constexprs == ["D", "BLOCK_D"], constexprs
+    opts = getattr(k, "kwargs", None) or {"do_not_specialize": [p.name for p in getattr(k, "params", [])
+                                                                if getattr(p, "do_not_specialize", False)]}
+    assert "S" in (opts.get("do_not_specialize") or []), "S is specialized (S % 16, S == 1): recompiles by count"

@@ -9,7 +9,7 @@ import triton.language as tl
 from .reference import check_states
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])   # nor by S % 16 == 0 / S == 1: one compiled kernel for every split count
 def _merge_states_kernel(
     outs_ptr,  # [S, R, D] any float
     lses_ptr,  # [S, R] fp32, natural log
@@ -20,21 +20,22 @@ def _merge_states_kernel(
     stride_ls,
     S,
     D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # One program per row r = (leading index, head); it reads S lse scalars and S out vectors of D.
+    # One program per row r = (leading index, head); it reads S lse scalars and S out vectors of D. S is a runtime
+    # loop bound, not a block size: the split count grows with the context, and one compiled kernel serves them all.
     r = tl.program_id(0)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    lse = tl.load(lses_ptr + offs_s * stride_ls + r, mask=offs_s < S, other=float("-inf"))
-    m = tl.max(lse, axis=0)
+    m = tl.load(lses_ptr + r)
+    for s in range(1, S):
+        m = tl.maximum(m, tl.load(lses_ptr + s * stride_ls + r))
     # All parts empty -> m = -inf; 0 keeps exp() finite and gives out 0, lse -inf.
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp(lse - m_safe), axis=0)
+    denom = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s in range(0, S):
         w = tl.exp(tl.load(lses_ptr + s * stride_ls + r) - m_safe)
+        denom += w
         o = tl.load(outs_ptr + s * stride_os + r * stride_or + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
         # An empty part (w == 0) must not leak NaN from its out through 0 * NaN.
         acc += tl.where(w > 0, w * o, 0.0)
@@ -95,7 +96,7 @@ def merge_states_n(
         _merge_states_kernel[(R,)](
             outs3, lses2, res_out, res_lse,
             outs3.stride(0), outs3.stride(1), lses2.stride(0), S,
-            D=D, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+            D=D, BLOCK_D=triton.next_power_of_2(D),
         )  # fmt: skip
     return res_out.reshape(*lead, D), res_lse.reshape(lead)
 
