@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 import modeld_api as api
 
-from .cellstatus import Verdict   # a condition: (status True/False/None for Unknown, reason, message)
+from .cellstatus import Verdict  # a condition: (status True/False/None for Unknown, reason, message)
 
 TERMINATION_LOG = "/dev/termination-log"
 DEFAULT_TIERS = (1024, 4096, 8192, 32768, 131072)

@@ -120,9 +120,9 @@ def test_triton_merge_two_vs_reference(case, dtype, device):
 def test_the_split_count_is_no_compile_key():
     """The merge runs for a split count that grows with the context: S must be a plain runtime argument (not a
     constexpr block size, not specialized), so one compiled kernel serves every count."""
-    from modeld_cell.kernels.merge import triton as mtri
-
     import inspect
+
+    from modeld_cell.kernels.merge import triton as mtri
 
     k = mtri._merge_states_kernel          # a JITFunction on CUDA, an InterpretedFunction under the interpreter
     fn = getattr(k, "fn", k)
