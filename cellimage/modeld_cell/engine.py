@@ -376,7 +376,7 @@ class Engine:
         """A copy of the session's next-token logits [V] fp32 (quality checks); None when not known (the last
         generated token has not run through the model yet). NotFound if the session does not exist."""
         s = self._session(session_id)
-        return None if s.logits is None or s.kv_len != len(s.tokens) else s.logits.clone()
+        return None if s.logits is None or s.kv_len != len(s.tokens) else s.logits.detach().to("cpu", copy=True)
 
     def session_tokens(self, session_id: str) -> list[int]:
         """The token ids the session holds (a copy). Added to the seam for clients and tests."""

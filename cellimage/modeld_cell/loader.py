@@ -142,7 +142,7 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
         # merged after the digest check: model_digest stays the base weights' digest (what spec.model.digest pins);
         # the identity's "adapter" field names the adapter by its file's sha256
         merge_adapter(model, adapter)
-    a = ckpt.args
+    a = model.args                  # the built model's (a stated prefix of the layers when ``layers`` is given)
     kv = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
                       DEFAULT_BLOCK_SIZE, device=cfg.device)
     identity = {

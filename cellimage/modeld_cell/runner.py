@@ -3,8 +3,8 @@ choice as instance state, and calls the model (vLLM's model runner, in small). O
 backend is another runner with the same three methods, not branches inside the engine. ``TorchThread`` is the one
 thread every forward runs on.
 
-    prefill(tokens, start, blocks, sparse) -> (logits [V] fp32 cpu, t_start, sparse_log)
-    decode(toks, positions, tables)        -> logits [B, V] fp32 cpu
+    prefill(tokens, start, blocks, sparse) -> (logits [V] fp32 on the device, t_start, sparse_log)
+    decode(toks, positions, tables)        -> logits [B, V] fp32 on the device
     choose_decode_kernel(mode)             -> validates kernels.dispatch and records what decode runs
 """
 
@@ -141,7 +141,7 @@ class TorchRunner:
     def prefill(self, tokens: list[int], start: int, blocks: list[int],
                 sparse: dict | None = None) -> tuple[Tensor, float, list[dict]]:
         """tokens at positions [start, start+T) of a session with block table ``blocks``, block-sparse with the
-        settings ``sparse`` (None: dense). Returns (logits [V] fp32 cpu, start time, per-layer sparse log)."""
+        settings ``sparse`` (None: dense). Returns (logits [V] fp32 on the device, start time, per-layer sparse log)."""
         t_start = time.perf_counter()
         dev = self.kv.k.device
         end = start + len(tokens)
@@ -155,10 +155,10 @@ class TorchRunner:
         toks = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
         logits = self.model(toks, pos, self.kv, meta, torch.tensor([len(tokens) - 1], device=dev))
-        return logits[0].cpu(), t_start, meta.sparse_log
+        return logits[0], t_start, meta.sparse_log     # on the device: sampling reads only the ids back
 
     def decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> Tensor:
-        """One token per session: toks[b] at positions[b]. Returns logits [B, V] fp32 (cpu)."""
+        """One token per session: toks[b] at positions[b]. Returns logits [B, V] fp32 on the device."""
         dev = self.kv.k.device
         seq = [p + 1 for p in positions]
         nblks = [self.kv.blocks_for(s) for s in seq]
@@ -174,7 +174,7 @@ class TorchRunner:
                             decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch,
                             attend=self.attend)
         return self.model(torch.tensor(toks, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta).cpu()
+                          torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta)
 
 
 def runner_for(backend: str) -> type[TorchRunner]:

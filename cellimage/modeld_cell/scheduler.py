@@ -67,6 +67,15 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator |
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
 
 
+def greedy_ids(logits: list[torch.Tensor]) -> list[int]:
+    """argmax of each [V] logits row, batched: one device op and one read of the ids (ties: the first index, as
+    sample_token's greedy argmax)."""
+    if not logits:
+        return []
+    dev = logits[0].device
+    return torch.stack([x.to(dev) for x in logits]).argmax(-1).tolist()
+
+
 def grant(e: Engine, s: Any, max_tokens: int) -> tuple[int, dict | None]:
     """How many of ``max_tokens`` the session may generate: clamped to the context tier, then to the KV budget
     (the clamp is reported in the trace, not an error). Overflow when none fit although some were asked."""
@@ -186,10 +195,15 @@ class DecodeScheduler:
                 elif _deadline_passed(r.deadline):
                     self.finish(r, None, self.e._err(errors.Timeout(
                         f"deadline passed after {len(r.generated)} generated tokens", session_id=r.session.id)))
-            for r in list(self.reqs):            # sample where logits are known
-                s = r.session
-                if s.logits is not None and s.kv_len == len(s.tokens):
-                    self.emit(r, sample_token(s.logits, r.params, r.gen))
+            # sample where logits are known: every greedy request in one argmax on the device and one read of the ids
+            # (the only host sync of a step); a sampled one reads its logits back for its CPU generator
+            known = [r for r in self.reqs if r.session.logits is not None and r.session.kv_len == len(r.session.tokens)]
+            greedy = [r for r in known if r.params.temperature == 0.0]
+            for r, tok in zip(greedy, greedy_ids([r.session.logits for r in greedy]), strict=True):
+                self.emit(r, tok)
+            for r in known:
+                if r.params.temperature != 0.0:
+                    self.emit(r, sample_token(r.session.logits.float().cpu(), r.params, r.gen))
             batch = [r for r in self.reqs if r.session.kv_len == len(r.session.tokens) - 1]
             batch = batch[: self.e.settings.max_decode_batch]
             if not batch:

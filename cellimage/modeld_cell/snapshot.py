@@ -147,7 +147,7 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
             tensors = [("k", k), ("v", v)]
             if (sc := eng.kv.read_scales(s.blocks, s.kv_len)) is not None:  # quantized: fp16 scales
                 tensors += [("k_scale", sc[0]), ("v_scale", sc[1])]
-            tensors += [("logits", s.logits.float())] if s.logits is not None else []
+            tensors += [("logits", s.logits.float().cpu())] if s.logits is not None else []
             table, off = [], 0
             for name, t in tensors:
                 n = t.numel() * t.element_size()

@@ -101,6 +101,26 @@ async def test_prompt_suffix_and_branch_match_the_torch_path(pair):
         e.close_session("b")
 
 
+async def test_snapshot_and_restore_continue_as_the_torch_path(pair, tmp_path):
+    """The rest of the contract on the triton backend: a snapshot written by one triton engine, restored into
+    another, continues with the tokens the torch path generates."""
+    ref, tri = pair
+    toks = prompt(ref, 45)
+    for e in pair:
+        await e.ensure_prefix("snap", toks)
+    info = await tri.snapshot("snap", str(tmp_path / "s.snap"))
+    assert info["identity"]["backend"] == f"triton-{DEVICE}"
+    other = tri.sibling(kv_mib=16)
+    try:
+        tr = await other.restore("snap", str(tmp_path / "s.snap"))
+        assert tr.session_tokens == len(toks)
+        await same(ref, other, "snap", "restored from a snapshot")
+    finally:
+        other.shutdown()
+        for e in pair:
+            e.close_session("snap")
+
+
 @pytest.mark.parametrize("kv", ["int8", "fp8-e4m3"])
 async def test_quantized_kv_matches_the_torch_path(pair, kv):
     ref, tri = pair
