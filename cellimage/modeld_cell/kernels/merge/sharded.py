@@ -1,0 +1,64 @@
+"""Sharded-KV attention across ranks: each rank attends over its shard of a session's KV blocks, then the partial
+states are merged exactly, identically on every rank (replicated weights + sharded KV, decode).
+
+The merge is merge/reference.py's: with m = max_r lse_r and w_r = exp(lse_r - m), out = sum_r w_r out_r / sum_r w_r
+and lse = m + log sum_r w_r (natural log). Every rank gathers all ranks' (out, lse) in rank order and runs the same
+merge on the same bytes, so the result, and the hidden state every rank continues with, is bitwise the same on every
+rank. An empty shard (a session shorter than the ranks' blocks) has lse = -inf and weighs nothing.
+
+Layout: blocks are dealt round-robin (``block i`` lives on rank ``i % world``). A growing session then fills every
+rank's shard evenly, so decode attention and the per-rank KV budget stay balanced at any length; a contiguous layout
+would keep one rank busy and the others idle until its shard is full. vLLM's decode context parallel interleaves
+too (by token, ``cp_kv_cache_interleave_size``); modeld deals whole pages so a rank's blocks stay pages of its pool.
+
+Imports torch and torch.distributed only (the kernels' rule: no modeld dependencies beyond torch and triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+
+LAYOUT = "round-robin by block"
+
+
+def owner(block_index: int, world: int) -> int:
+    """The rank that holds a session's ``block_index``-th block."""
+    return block_index % world
+
+
+def local_block_indices(n_blocks: int, rank: int, world: int) -> list[int]:
+    """Which of a session's first n_blocks blocks (logical indices, in order) live on ``rank``."""
+    return list(range(rank, n_blocks, world))
+
+
+def local_tokens(n_tokens: int, block_size: int, rank: int, world: int) -> int:
+    """How many of a session's first n_tokens live on ``rank`` (its shard's length)."""
+    full, tail = divmod(n_tokens, block_size)
+    blocks = len(local_block_indices(full, rank, world)) * block_size
+    return blocks + (tail if tail and owner(full, world) == rank else 0)
+
+
+def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor,
+                       group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's partial state and merge all of them exactly.
+
+    Args:
+        out: [..., H, D] this rank's attention over its KV shard (any float dtype; normalised over the shard).
+        lse: [..., H] its natural-log LSE, -inf where the shard is empty.
+        group: the process group (default: the world). Its timeout bounds the collective.
+    Returns:
+        out [..., H, D] in out's dtype and lse [..., H] fp32: the same bytes on every rank.
+    """
+    if tuple(lse.shape) != tuple(out.shape[:-1]):
+        raise ValueError(f"lse shape {tuple(lse.shape)} must equal out shape without its last dim {tuple(out.shape[:-1])}")
+    world = dist.get_world_size(group)
+    # one collective: out and lse packed into one fp32 buffer [..., H, D + 1]
+    packed = torch.cat([out.float(), lse.float().unsqueeze(-1)], -1).contiguous()
+    parts = [torch.empty_like(packed) for _ in range(world)]
+    dist.all_gather(parts, packed, group=group)
+    stacked = torch.stack(parts)                                      # [R, ..., H, D + 1], rank order
+    merged, merged_lse = reference.merge_states_n(stacked[..., :-1], stacked[..., -1])
+    return merged.to(out.dtype), merged_lse
