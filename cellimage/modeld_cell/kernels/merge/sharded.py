@@ -41,6 +41,26 @@ def local_tokens(n_tokens: int, block_size: int, rank: int, world: int) -> int:
     return blocks + (tail if tail and owner(full, world) == rank else 0)
 
 
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of query rows over one shard's keys, as a partial state to merge (plain torch, fp32).
+
+    q: [T, Hq, D] at absolute positions q_pos [T]; k, v: [n, Hkv, D] (n >= 0) at absolute positions k_pos [n]; a key
+    is visible to a row when k_pos <= q_pos. Returns out [T, Hq, D] fp32 (0 where a row sees no key of the shard)
+    and lse [T, Hq] fp32, natural log (-inf there)."""
+    T, Hq, D = q.shape
+    if k.shape[0] == 0:
+        return q.new_zeros(T, Hq, D, dtype=torch.float32), q.new_full((T, Hq), float("-inf"), dtype=torch.float32)
+    G = Hq // k.shape[1]
+    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)     # [n, Hq, D]
+    s = torch.einsum("thd,nhd->htn", q.float(), kf) * sm_scale                          # [Hq, T, n]
+    s = s.masked_fill((k_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+    lse = torch.logsumexp(s, -1)                                                         # [Hq, T]
+    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), 0.0)
+    out = torch.einsum("htn,nhd->thd", p, vf)
+    return out, lse.t().contiguous()
+
+
 def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor,
                        group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather this rank's partial state and merge all of them exactly.

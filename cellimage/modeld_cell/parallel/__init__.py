@@ -1,0 +1,1 @@
+"""Multi-rank cell shapes over torch.distributed (NCCL on CUDA, gloo on the CPU)."""
