@@ -3,14 +3,16 @@
 #   hack/gpu-bench.sh              # on the GPU; results in ./_out (OUT=... to change, PYTHON=... for the interpreter)
 #   hack/gpu-bench.sh --dry-run    # the same steps on the CPU under the Triton interpreter at tiny shapes (CI runs it)
 # Each step has its own time cap and writes its own file, so one failure loses nothing else; about 6 minutes on an
-# H200 (caps: 30 + 150 + 300 s). Steps, in order:
+# H200 (caps: 30 + 150 + 300 + 240 s). Steps, in order:
 #   1. env.json           torch, triton, the device's properties
 #   2. kernels-tests.txt  tests/kernels on the device (the interpreter-only cases skip themselves on CUDA)
 #   3. kernels.json       benchmarks/kernels.py: paged decode bandwidth vs HBM peak at 32k/128k, fused int8/fp8/int4
 #                         decode vs bf16, block-sparse vs dense (SDPA flash, 4-D) prefill at 32k/64k/128k, merge
-#   4. steps.json         each step's exit status and seconds
-# Not a step yet: the worker's engine end to end on the GPU. It needs pydantic and gguf, which the device image lacks
-# (benchmarks/triton_cpu_proof.py is that run where they are installed).
+#   4. engine.json        benchmarks/engine_gpu.py: the worker's engine, triton vs torch backend on the device, on a
+#                         synthetic model with SmolLM2-135M's shapes (the real GGUF is 93 MB, over a call's 64 MiB):
+#                         first output and decode ms/token at 8k and 32k, greedy agreement. It needs pydantic: carry
+#                         the wheels hack/gpu-wheels.sh puts in .whl/ (installed here with pip --no-index)
+#   5. steps.json         each step's exit status and seconds
 set -o errexit -o nounset -o pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,7 +22,7 @@ DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 if [[ $# -gt 0 ]]; then echo "usage: hack/gpu-bench.sh [--dry-run]" >&2; exit 2; fi
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/cellimage${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/cellimage:$PWD/api${PYTHONPATH:+:$PYTHONPATH}"
 if [[ $DRY == 1 ]]; then export TRITON_INTERPRET=1; fi
 
 steps=()
@@ -76,11 +78,29 @@ bench_step() {
   fi
 }
 
-export -f env_step tests_step bench_step
+engine_step() {
+  if [[ -d .whl ]] && ! "$PYTHON" -c 'import pydantic' 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/modeld-site \
+      .whl/*.whl
+    export PYTHONPATH="/tmp/modeld-site:$PYTHONPATH"
+  fi
+  if ! "$PYTHON" -c 'import pydantic' 2>/dev/null; then
+    echo '{"skipped": "pydantic is not installed: run hack/gpu-wheels.sh and carry .whl"}' | tee "$OUT/engine.json"
+    return 3
+  fi
+  if [[ $DRY == 1 ]]; then
+    "$PYTHON" benchmarks/engine_gpu.py --dry-run --out "$OUT/engine.json"
+  else
+    "$PYTHON" benchmarks/engine_gpu.py --out "$OUT/engine.json"
+  fi
+}
+
+export -f env_step tests_step bench_step engine_step
 export DRY OUT PYTHON
 run_step env 30 env_step
 run_step kernel-tests 150 tests_step
 run_step kernels 300 bench_step
+run_step engine 240 engine_step
 ( IFS=,; echo "{${steps[*]}}" ) > "$OUT/steps.json"
 cat "$OUT/steps.json"
 if grep -q '"rc": [1-9]' "$OUT/steps.json"; then

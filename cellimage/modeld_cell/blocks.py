@@ -20,8 +20,7 @@ import torch
 
 from . import errors
 from .kv_cache import PagedKVCache
-from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash
-from .tokenizer import common_prefix
+from .prefix_index import IDENTITY_KEY_FIELDS, chain_hash, common_prefix
 
 if TYPE_CHECKING:
     from .engine import Engine

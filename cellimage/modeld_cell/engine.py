@@ -15,7 +15,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,7 +33,9 @@ from .prefix_index import root_hash
 from .runner import TorchThread, runner_for
 from .scheduler import DecodeReq, DecodeScheduler, grant, sample_token
 from .sparse_policy import SparsePolicy
-from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer  # the HF tokenizers package: only where a checkpoint brings a vocabulary
 
 # The engine's public names; the contract types and the config live in contract.py / config.py and are re-exported.
 __all__ = ["SPARSE_BLOCK", "CellConfig", "DecodeEvent", "Engine", "EngineSettings", "SamplingParams", "Trace",

@@ -127,3 +127,13 @@ class PrefixIndex:
         for b in out:
             self.unregister(b)
         return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids two sequences share (where reuse would stop, or greedy outputs part)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -24,11 +24,14 @@ def test_dry_run_runs_every_step(tmp_path):
                        timeout=500)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert set(steps) == {"env", "kernel-tests", "kernels"} and all(s["rc"] == 0 for s in steps.values()), steps
+    assert set(steps) == {"env", "kernel-tests", "kernels", "engine"} and all(s["rc"] == 0 for s in steps.values()), steps
     assert json.loads((tmp_path / "env.json").read_text())["dry_run"] is True
     assert "passed" in (tmp_path / "kernels-tests.txt").read_text()
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     assert any(row["provider"].startswith("triton") for row in rows), rows
+    engine = json.loads((tmp_path / "engine.json").read_text())
+    assert engine["startup_check"]["device"] == "cpu" and engine["kernels"]["calls"]["paged_prefill"] > 0
+    assert all(c["greedy_tokens_identical"] == c["of"] for c in engine["contexts"].values()), engine["contexts"]
 
 
 def test_bad_arguments_are_refused():
