@@ -43,11 +43,16 @@ def _int(value: Any, default: int = 0) -> int:
         return default
 
 
+def any_link(spec: api.CellSpec) -> bool:
+    """One GPU with interconnect none: the GPU is joined to nothing, so any GPU node's interconnect serves it."""
+    return spec.topology.gpus == 1 and spec.topology.interconnect == api.Interconnect.none.value
+
+
 def describe_topology(spec: api.CellSpec) -> str:
     topo = spec.topology
     if topo.gpus == 0:
         return "a CPU node (interconnect none)"
-    text = f"{topo.gpus} GPU{'s' if topo.gpus > 1 else ''} over {topo.interconnect}"
+    text = "1 GPU (any interconnect)" if any_link(spec) else f"{topo.gpus} GPU{'s' if topo.gpus > 1 else ''} over {topo.interconnect}"
     if topo.products:
         text += f" ({' or '.join(topo.products)})"
     if topo.minGpuMemoryMiB:
@@ -59,10 +64,11 @@ def node_mismatch(spec: api.CellSpec, node: NodeView) -> str | None:
     """Why this node cannot host one pod of the cell, or None when it can (ignoring what other pods use)."""
     topo = spec.topology
     link = node.labels.get(api.LABEL_INTERCONNECT)
-    if link is None:
-        return f"no {api.LABEL_INTERCONNECT} label"
-    if link != topo.interconnect:
-        return f"interconnect {link}"
+    if not any_link(spec):
+        if link is None:
+            return f"no {api.LABEL_INTERCONNECT} label"
+        if link != topo.interconnect:
+            return f"interconnect {link}"
     if topo.gpus:
         count = _int(node.labels.get(api.LABEL_GPU_COUNT))
         if count < topo.gpus:
@@ -113,7 +119,8 @@ def place(spec: api.CellSpec, nodes: list[NodeView]) -> Placement:
 def node_affinity(spec: api.CellSpec) -> dict[str, Any]:
     """Required node affinity on the certified topology labels: the scheduler may only bind pods there."""
     topo = spec.topology
-    exprs: list[dict[str, Any]] = [{"key": api.LABEL_INTERCONNECT, "operator": "In", "values": [topo.interconnect]}]
+    exprs: list[dict[str, Any]] = ([] if any_link(spec) else
+                                   [{"key": api.LABEL_INTERCONNECT, "operator": "In", "values": [topo.interconnect]}])
     if topo.gpus:
         # Gt compares integers: "at least N" is "greater than N-1".
         exprs.append({"key": api.LABEL_GPU_COUNT, "operator": "Gt", "values": [str(topo.gpus - 1)]})

@@ -49,7 +49,11 @@ NODES = [
         ({"gpus": 8, "interconnect": "nvswitch"}, ["hgx-0"]),
         ({"gpus": 2, "interconnect": "pcie"}, ["l40s-0", "ws-0"]),
         ({"gpus": 2, "interconnect": "pcie", "minGpuMemoryMiB": 40000}, ["l40s-0"]),
-        ({"gpus": 1, "interconnect": "none", "products": ["NVIDIA-L40S"]}, []),
+        # one GPU with interconnect none is joined to nothing: any GPU node's link serves it (the CRD's "none (CPU
+        # or one GPU)"); a stated link still has to match
+        ({"gpus": 1, "interconnect": "none", "products": ["NVIDIA-L40S"]}, ["l40s-0"]),
+        ({"gpus": 1, "interconnect": "none"}, ["a100-0", "a100x8-0", "hgx-0", "l40s-0", "ws-0"]),
+        ({"gpus": 1, "interconnect": "pcie"}, ["l40s-0", "ws-0"]),
         ({"gpus": 4, "interconnect": "pcie", "products": ["NVIDIA-L40S"]}, ["l40s-0"]),
     ],
     ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None,
@@ -81,6 +85,15 @@ def test_not_ready_and_exhausted_nodes_are_excluded():
 
 def test_empty_cluster():
     assert placement.place(cell_spec(), []).reason == "the cluster has no nodes"
+
+
+def test_a_one_gpu_cell_with_no_link_asks_for_a_gpu_not_an_interconnect():
+    spec = cell_spec(topology={"gpus": 1, "interconnect": "none"})
+    exprs = placement.node_affinity(spec)["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"]
+    assert [e["key"] for e in exprs] == [api.LABEL_GPU_COUNT] and exprs[0]["values"] == ["0"]
+    assert placement.place(spec, [node("cpu-0", "none")]).reason == (
+        "no node offers 1 GPU (any interconnect): 1 node with 0 GPUs")
 
 
 def test_node_affinity_states_topology():
