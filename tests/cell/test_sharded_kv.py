@@ -34,3 +34,21 @@ def test_sharded_kv_across_ranks_equals_one_rank(smollm2_path, tmp_path, world, 
     assert res["world"] == world and len(res["tokens"]) == steps
     assert res["tokens"] == res["reference_tokens"]
     assert res["max_abs_logits"] <= MAX_ABS, res["max_abs_logits"]
+
+
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_a_lost_rank_is_a_typed_error_within_the_collective_timeout(smollm2_path, tmp_path, mode):
+    """A rank that dies (or stops answering) mid-decode: the other's next collective raises RankLost (which the
+    engine turns into Fatal and not-ready) instead of hanging; a hung peer is given up after the group's timeout."""
+    timeout_s = 6
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "cellimage"), str(ROOT / "api"), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(ROOT / "tests/dist/sharded_rank_lost.py"), smollm2_path, str(timeout_s), mode, str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.exists(), (r.stdout[-2000:], r.stderr[-3000:])
+    res = json.loads(out.read_text())
+    assert res["error"] == "RankLost" and res["steps"] == 3, res
+    # bounded by the group's timeout (plus scheduling slack), never a hang
+    assert res["seconds"] <= timeout_s + 10, res

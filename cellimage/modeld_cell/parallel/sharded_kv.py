@@ -30,6 +30,11 @@ from modeld_cell.runner import TorchRunner
 SCRATCH = 0      # the local block that takes the K/V of tokens this rank does not own; never read
 
 
+class RankLost(RuntimeError):
+    """A collective failed: a rank died, or did not answer within the process group's timeout. The engine turns it
+    into Fatal and marks itself not ready (engine._torch); the pod restarts the ranks together."""
+
+
 class ShardedKVRunner(TorchRunner):
     name = "sharded-kv"
 
@@ -87,5 +92,8 @@ class ShardedKVRunner(TorchRunner):
             k, kp = self._shard(k_cache, ks, meta.block_tables[0], n, q.dtype)
             v, _ = self._shard(v_cache, vs, meta.block_tables[0], n, q.dtype)
             out, lse = sharded.partial_attention(q, k, v, torch.arange(n - t, n, device=q.device), kp, scale)
-        merged, _ = sharded.merge_across_ranks(out, lse, self.group)
+        try:
+            merged, _ = sharded.merge_across_ranks(out, lse, self.group)
+        except RuntimeError as e:     # gloo / NCCL: peer gone, connection reset, or the group's timeout
+            raise RankLost(f"rank {self.rank} of {self.world}: the sharded-KV merge failed: {e}") from e
         return merged.to(q.dtype)
