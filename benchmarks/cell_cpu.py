@@ -136,9 +136,10 @@ async def main() -> None:
     if not a.skip_replay:
         chunks = tool_chunks(text[len(text) // 3 :], eng, a.turns)
         res["replay_reuse"] = await replay(eng, chunks, a.turns, 32, "reuse")
-        eng.config.prefix_reuse = False          # same engine, no index, a new session each turn: recompute
+        reuse_cfg = eng.config
+        eng.config = reuse_cfg.with_profile(prefixReuse=False)   # same engine, no index, a new session each turn
         res["replay_recompute"] = await replay(eng, chunks, a.turns, 32, "recompute")
-        eng.config.prefix_reuse = True
+        eng.config = reuse_cfg
     res["loadavg_end"] = os.getloadavg()
     try:
         with open("/proc/self/status") as f:
