@@ -11,7 +11,7 @@ import json
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 GROUP = "modeld.contenox.io"
 VERSION = "v1alpha1"
@@ -353,6 +353,16 @@ class SessionStatus(_Model):
     boundAt: str | None = Field(default=None, description="RFC 3339 time the session was bound.")
     reason: str | None = Field(default=None, description="Why the session is where it is.")
     conditions: list[Condition] = Field(default_factory=list, description="Bound.")
+
+
+def enum_value(x: Any) -> str:
+    """An enum field's value as its string (defaults stay Enum members even with use_enum_values)."""
+    return str(x.value if isinstance(x, Enum) else x)
+
+
+def validation_problems(e: ValidationError) -> list[tuple[str, str]]:
+    """(field path, message) of each problem a validation found, in order; the path is "spec" at the top level."""
+    return [(".".join(str(p) for p in err["loc"]) or "spec", err["msg"]) for err in e.errors(include_url=False)]
 
 
 def parse_cell_spec(obj: dict[str, Any]) -> CellSpec:

@@ -17,15 +17,10 @@ spec.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from . import Backend, CellSpec, KVPrecision, Parallelism, WeightPrecision
-
-
-def _v(x: Any) -> str:
-    """An enum field's value (defaults stay Enum members even with use_enum_values)."""
-    return str(x.value if isinstance(x, Enum) else x)
+from . import enum_value as _v
 
 
 @dataclass(frozen=True)

@@ -61,15 +61,13 @@ def _validate(obj: dict[str, Any], source: str) -> dict[str, Any]:
     """The spec as the API package (modeld_api, the CRDs' source) validates it: the same rules the apiserver applies."""
     from pydantic import ValidationError
 
-    from modeld_api import parse_cell_spec
+    from modeld_api import parse_cell_spec, validation_problems
     from modeld_api.served import unserved
 
     try:
         spec = parse_cell_spec(obj)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in e.errors(include_url=False)
-        )
+        problems = "; ".join(f"{f}: {m}" for f, m in validation_problems(e))
         raise SpecError(f"{source}: invalid Cell spec: {problems}") from None
     if refused := unserved(spec):
         raise SpecError(f"{source}: " + "; ".join(u.message() for u in refused))

@@ -10,13 +10,12 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 
-from modeld_api import CellSpec, parse_cell_spec
+from modeld_api import CellSpec, enum_value, parse_cell_spec, validation_problems
 from modeld_api.served import unserved
 
 from . import errors
@@ -99,11 +98,10 @@ def cpu_compute_dtype() -> str:
 
 
 def _field_error(e: ValidationError) -> errors.BadRequest:
-    """The first problem pydantic found, as a BadRequest naming the spec field (the CRD's own rule)."""
-    errs = e.errors(include_url=False)
-    where = ".".join(str(p) for p in errs[0]["loc"]) or "spec"
-    msg = "; ".join(f"{'.'.join(str(p) for p in x['loc']) or 'spec'}: {x['msg']}" for x in errs)
-    return errors.BadRequest(f"invalid Cell spec: {msg}", field=where)
+    """What pydantic found, as a BadRequest naming the first spec field (the CRD's own rule)."""
+    problems = validation_problems(e)
+    return errors.BadRequest("invalid Cell spec: " + "; ".join(f"{f}: {m}" for f, m in problems),
+                             field=problems[0][0])
 
 
 @dataclass
@@ -133,11 +131,11 @@ class CellConfig:
         if refused := unserved(spec):
             u = refused[0]
             raise errors.Unsupported(u.message(), field=u.field, value=u.value)
-        weights = _value(spec.profile.weights)
+        weights = enum_value(spec.profile.weights)
         compute = weights if weights in _DTYPES else cpu_compute_dtype()  # a stored format: dequantized at load
         mib = spec.kvMemoryMiB if spec.kvMemoryMiB is not None else DEFAULT_KV_MEMORY_MIB
-        return cls(spec=spec, backend=_value(spec.runtime.backend), weights=compute, weights_storage=weights,
-                   kv=kv_format(_value(spec.profile.kv)).name, kv_memory_mib=mib, context_tier=spec.contextTier)
+        return cls(spec=spec, backend=enum_value(spec.runtime.backend), weights=compute, weights_storage=weights,
+                   kv=kv_format(enum_value(spec.profile.kv)).name, kv_memory_mib=mib, context_tier=spec.contextTier)
 
     # the spec's fields, as the engine reads them
     @property
@@ -154,7 +152,7 @@ class CellConfig:
 
     @property
     def model_format(self) -> str:
-        return _value(self.spec.model.format)
+        return enum_value(self.spec.model.format)
 
     @property
     def adapter(self) -> str | None:
@@ -162,7 +160,7 @@ class CellConfig:
 
     @property
     def attention_requested(self) -> str:
-        return _value(self.spec.profile.attention)
+        return enum_value(self.spec.profile.attention)
 
     @property
     def prefix_reuse(self) -> bool:
@@ -182,7 +180,3 @@ class CellConfig:
         if "weights" not in profile:
             out.weights = self.weights    # the compute dtype the device chose (loader.resolve_device) stays
         return out
-
-
-def _value(x: Any) -> str:
-    return str(x.value if isinstance(x, Enum) else x)
