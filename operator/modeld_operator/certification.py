@@ -220,6 +220,17 @@ def target(o: Observed) -> tuple[str, str, str] | None:
     return topology, key, job_name(o.name, key)
 
 
+def is_current(old: dict[str, Any] | None, key: str) -> bool:
+    """The stored certification measured exactly this key: kept, nothing to read or run."""
+    return bool(old and old.get("key") == key and old.get("measuredAt"))
+
+
+def jobs_to_read(o: Observed) -> str | None:
+    """The Job whose pods ``next_step`` needs in ``o.job_pods``, or None when it needs none."""
+    t = target(o)
+    return None if t is None or is_current(o.old, t[1]) else t[2]
+
+
 def next_step(o: Observed) -> Step:
     """The cell's certification on the topology it runs on: kept while nothing measured changes, else measured by a
     Job, then read back from the Job's pod. Pure: the handler reads ``o`` and acts on the Step."""
@@ -232,7 +243,7 @@ def next_step(o: Observed) -> Step:
     t = target(o)
     assert t is not None
     topology, key, job = t
-    if o.old and o.old.get("key") == key and o.old.get("measuredAt"):
+    if o.old and is_current(o.old, key):
         gate = o.old.get("gate") or ("CertificationFailed" if not o.old.get("certified") else "Certified")
         return Step(o.old, (bool(o.old.get("certified")), gate_reason(gate), o.old.get("reason") or ""))
     measuring = f"job {job} measures the cell on {topology}"

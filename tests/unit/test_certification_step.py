@@ -98,3 +98,12 @@ def test_a_finished_job_becomes_the_certification():
     assert s.verdict == (True, "GateContextTier", "baseline cannot run 8192")
     assert s.cert["key"] == key and s.cert["job"] == job and s.cert["certified"] is True
     assert s.cert["summary"] == SUMMARY
+
+
+def test_the_handler_reads_job_pods_only_when_the_step_needs_them():
+    o = observed()
+    _, key, job = key_of(o)
+    assert c.jobs_to_read(o) == job
+    assert c.jobs_to_read(dataclasses.replace(o, old={"key": key, "measuredAt": "2026-11-30T10:00:00Z"})) is None
+    assert c.jobs_to_read(observed(ready_url=None)) is None
+    assert c.jobs_to_read(observed(baseline=c.Baseline("base", spec=spec()))) is None

@@ -74,9 +74,8 @@ def certify(
         name=name, namespace=namespace, spec=spec, ready_url=ready[0].url if ready else None,
         node_labels=labels_of.get(ready[0].node or "", {}) if ready else {}, old=old,
         annotations=dict(body.get("metadata", {}).get("annotations") or {}), baseline=baseline, now=conditions_now())
-    t = certification.target(o)
-    if t is not None and not (old and old.get("key") == t[1] and old.get("measuredAt")):
-        o = dataclasses.replace(o, job_pods=kube.list_pods(namespace, f"job-name={t[2]}"))
+    if (job := certification.jobs_to_read(o)) is not None:
+        o = dataclasses.replace(o, job_pods=kube.list_pods(namespace, f"job-name={job}"))
     step = certification.next_step(o)
     if step.job is not None:
         kopf.append_owner_reference(step.job, owner=body)
