@@ -3,6 +3,7 @@ the counters behind /metrics. Read-only views of the engine's parts; nothing her
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ def capability(e: Engine) -> dict:
     from .engine import SPARSE_BLOCK
 
     a = e.model.args
+    kernels = e.runner.kernels()
     kvs = e.kv.stats()
     weights_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
     rss = None
@@ -65,9 +67,9 @@ def capability(e: Engine) -> dict:
                   "adapter": e.identity.get("adapter") or None},
         "attention": {"mode": "block-sparse" if e.sparse else "dense",
                       "requested": e.config.attention_requested,
-                      "prefill": e.runner.kernels()["prefill"],
+                      "prefill": kernels["prefill"],
                       "decode": e.decode_kernel,
-                      "kernels": e.runner.kernels(),
+                      "kernels": kernels,
                       "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": e.settings.sparse_min_tokens,
                                  "max_density": e.settings.sparse_max_density,
                                  "keep_ratio": e.settings.sparse_keep_ratio,
@@ -89,15 +91,13 @@ def capability(e: Engine) -> dict:
         "ready": e.ready,
     }
 
+@functools.cache
 def device_name(dev: torch.device) -> str:
-    """The device in words: the GPU's product name, or the CPU's model name."""
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "cpu"
+    """The device in words: the GPU's product name, or the CPU's model name (profile_gate.hardware's; read once).
+    Imported when called: profile_gate -> quality -> engine -> capability."""
+    from .profile_gate import hardware
+
+    return str(hardware(dev)["name"] or dev.type)
 
 
 def reuse_report(e: Engine) -> dict:

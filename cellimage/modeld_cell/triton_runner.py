@@ -21,6 +21,7 @@ from torch import Tensor
 from . import errors
 from .kernels import dispatch
 from .kernels.paged_prefill import reference as prefill_ref
+from .kernels.quant_kv import reference as quant_ref
 from .kv_cache import PagedKVCache
 from .model import AttnMetadata, Transformer
 from .runner import TorchRunner
@@ -89,8 +90,8 @@ class TritonRunner(TorchRunner):
             ka = prefill_ref.gather(k_cache, table, past + t)         # [past + T, Hkv, D]: the estimate reads all keys
             va = prefill_ref.gather(v_cache, table, past + t)
             if ks is not None and vs is not None:
-                ka = (ka.float() * prefill_ref.gather(ks, table, past + t).float().unsqueeze(-1)).to(q.dtype)
-                va = (va.float() * prefill_ref.gather(vs, table, past + t).float().unsqueeze(-1)).to(q.dtype)
+                ka = quant_ref.dequantize(ka, prefill_ref.gather(ks, table, past + t)).to(q.dtype)
+                va = quant_ref.dequantize(va, prefill_ref.gather(vs, table, past + t)).to(q.dtype)
             o, info = dispatch.sparse_prefill(q, ka, va, block_size=sp["block_size"], sm_scale=scale,
                                               keep_ratio=sp["keep_ratio"], max_keep_tokens=sp["max_keep_tokens"],
                                               min_tokens=sp["min_tokens"], max_density=sp["max_density"],
