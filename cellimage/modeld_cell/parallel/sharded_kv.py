@@ -57,30 +57,32 @@ class ShardedKVRunner(TorchRunner):
         return [next(owned) if sharded.owner(i, self.world) == self.rank else SCRATCH
                 for i in range(self.kv.blocks_for(n_tokens))]
 
-    def _shard(self, cache: Tensor, scales: Tensor | None, table: Tensor, n: int, dtype: torch.dtype
-               ) -> tuple[Tensor, Tensor]:
-        """This rank's cached tokens of a session with n tokens: (values [m, Hkv, D] in dtype, positions [m])."""
-        bs = self.kv.block_size
+    def _shard(self, k_cache: Tensor, v_cache: Tensor, scales: tuple[Tensor, Tensor] | None, table: Tensor, n: int,
+               dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's cached tokens of a session with n tokens: (k, v [m, Hkv, D] in dtype, positions [m])."""
+        bs, dev = self.kv.block_size, k_cache.device
         idx = sharded.local_block_indices(self.kv.blocks_for(n), self.rank, self.world)
         if not idx:
-            return cache.new_zeros(0, *cache.shape[2:], dtype=dtype), torch.zeros(0, dtype=torch.long, device=cache.device)
+            empty = k_cache.new_zeros(0, *k_cache.shape[2:], dtype=dtype)
+            return empty, empty, torch.zeros(0, dtype=torch.long, device=dev)
         phys = table[idx]
-        vals = gather(cache, phys, len(idx) * bs)
-        if scales is not None:
-            vals = quant_ref.dequantize(vals, gather(scales, phys, len(idx) * bs))
-        pos = (torch.tensor(idx, device=cache.device)[:, None] * bs + torch.arange(bs, device=cache.device)).reshape(-1)
+        pos = (torch.tensor(idx, device=dev)[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
         keep = pos < n
-        return vals[keep].to(dtype), pos[keep]
+        out = []
+        for i, cache in enumerate((k_cache, v_cache)):
+            vals = gather(cache, phys, len(idx) * bs)
+            if scales is not None:
+                vals = quant_ref.dequantize(vals, gather(scales[i], phys, len(idx) * bs))
+            out.append(vals[keep].to(dtype))
+        return out[0], out[1], pos[keep]
 
     def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
                scales: tuple[Tensor, Tensor] | None) -> Tensor:
-        ks, vs = scales if scales is not None else (None, None)
         scale = 1.0 / math.sqrt(q.shape[-1])
         outs, lses = [], []
         if meta.kind == "decode":
             for b, n in enumerate(meta.seq_lens_list):
-                k, kp = self._shard(k_cache, ks, meta.block_tables[b], n, q.dtype)
-                v, _ = self._shard(v_cache, vs, meta.block_tables[b], n, q.dtype)
+                k, v, kp = self._shard(k_cache, v_cache, scales, meta.block_tables[b], n, q.dtype)
                 o, lse = sharded.partial_attention(q[b : b + 1], k, v, torch.tensor([n - 1], device=q.device), kp,
                                                    scale)
                 outs.append(o)
@@ -89,8 +91,7 @@ class ShardedKVRunner(TorchRunner):
         else:
             n = meta.seq_lens_list[0]
             t = q.shape[0]
-            k, kp = self._shard(k_cache, ks, meta.block_tables[0], n, q.dtype)
-            v, _ = self._shard(v_cache, vs, meta.block_tables[0], n, q.dtype)
+            k, v, kp = self._shard(k_cache, v_cache, scales, meta.block_tables[0], n, q.dtype)
             out, lse = sharded.partial_attention(q, k, v, torch.arange(n - t, n, device=q.device), kp, scale)
         try:
             merged, _ = sharded.merge_across_ranks(out, lse, self.group)
