@@ -33,6 +33,7 @@ from modeld_cell.contract import SamplingParams  # noqa: E402
 from modeld_cell.engine import Engine  # noqa: E402
 from modeld_cell.kv_cache import PagedKVCache, kv_format  # noqa: E402
 from modeld_cell.model import ModelArgs, Transformer  # noqa: E402
+from modeld_cell.prefix_index import common_prefix  # noqa: E402
 
 
 class SyntheticTokenizer:
@@ -129,8 +130,7 @@ async def main() -> None:
     for n in contexts:
         prompt = torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()
         row = {b: await measure(e, prompt, a.decode_tokens, device) for b, e in engines.items()}
-        same = next((i for i, (x, y) in enumerate(zip(row["triton"]["tokens"], row["torch"]["tokens"], strict=True))
-                     if x != y), a.decode_tokens)
+        same = common_prefix(row["triton"]["tokens"], row["torch"]["tokens"])
         res["contexts"][str(n)] = {**{b: {k: v for k, v in r.items() if k != "tokens"} for b, r in row.items()},
                                    "greedy_tokens_identical": same, "of": a.decode_tokens}
         print(n, res["contexts"][str(n)], flush=True)

@@ -25,6 +25,7 @@ if not torch.cuda.is_available():
 
 from modeld_cell.engine import Engine, EngineSettings, SamplingParams  # noqa: E402
 from modeld_cell.models.fetch import SMOLLM2_REF  # noqa: E402
+from modeld_cell.prefix_index import common_prefix  # noqa: E402
 
 SPEC = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
         "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
@@ -71,8 +72,7 @@ async def main() -> None:
            "startup_check": tri.startup, "scenarios": {}}
     for kv in a.kv.split(","):
         r, t = await run(ref, kv, prompt, a.decode_tokens), await run(tri, kv, prompt, a.decode_tokens)
-        agree = next((i for i, (x, y) in enumerate(zip(r["tokens"], t["tokens"], strict=True)) if x != y),
-                     len(r["tokens"]))
+        agree = common_prefix(r["tokens"], t["tokens"])
         res["scenarios"][kv] = {
             "greedy_tokens_identical": agree, "of": len(r["tokens"]),
             "logits_max_abs_diff": float((r["logits"] - t["logits"].cpu()).abs().max()),
