@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from modeld_cell.kernels.common import dot
+from modeld_cell.kernels.paged_decode.triton import online_softmax_step
 
 from .reference import check_prefill_inputs
 
@@ -75,13 +76,10 @@ def _paged_prefill_kernel(
             v = (v.to(tl.float32) * vscale[:, None]).to(q.dtype)
         s = dot(q, tl.trans(k), IEEE) * sm_scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
-        # key 0 is visible to every row, so after the first tile m_i is finite: no -inf - -inf below
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # key 0 is visible to every row (the first tile's), so the running max is finite from there on: the step's
+        # condition holds although a later tile may hide all its keys from a row
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p, v, IEEE)
-        m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
