@@ -48,9 +48,9 @@ def test_blocker_works(tmp_path):
 
 
 def test_kernels_and_benchmark_import_only_torch_and_triton(tmp_path):
-    mods = ["modeld_cell.kernels.dispatch"] + [f"modeld_cell.kernels.{f}.{m}" for f in
-                                                ("merge", "paged_decode", "quant_kv", "sparse_prefill")
-                                                for m in ("reference", "triton")]  # fmt: skip
+    families = ("merge", "paged_decode", "paged_prefill", "quant_kv", "sparse_prefill")
+    mods = ["modeld_cell.kernels.dispatch", "modeld_cell.kernels.merge.sharded"] + [
+        f"modeld_cell.kernels.{f}.{m}" for f in families for m in ("reference", "triton")]
     r = _run(tmp_path, "-c", f"import importlib\nfor m in {mods!r}: importlib.import_module(m)")
     assert r.returncode == 0, r.stderr
     out = tmp_path / "kernels.json"
