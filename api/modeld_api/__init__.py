@@ -119,6 +119,14 @@ class Runtime(_Model):
         description="Multi-GPU shape: single, tensor, pipeline, data, or sharded-kv (replicated weights, KV sharded "
         "across GPUs, exact softmax merge).",
     )
+    ranks: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="Processes the cell runs over torch.distributed, one per GPU: topology.gpus when omitted. A CPU "
+        "cell (topology.gpus 0) with a multi-rank parallelism states it: that many CPU ranks over gloo, on one node "
+        "(tests, laptops, CI).",
+    )
 
 
 class Topology(_Model):
@@ -178,9 +186,21 @@ class Resources(_Model):
 
 CELL_SPEC_RULES: list[Any] = [
     cel(
-        "self.runtime.parallelism == 'single' || self.topology.gpus >= 2",
-        "runtime.parallelism tensor, pipeline, data and sharded-kv split work across GPUs: topology.gpus must be at least 2",
+        "self.runtime.parallelism == 'single' || self.topology.gpus >= 2"
+        " || (self.topology.gpus == 0 && has(self.runtime.ranks) && self.runtime.ranks >= 2)",
+        "runtime.parallelism tensor, pipeline, data and sharded-kv split work across ranks: topology.gpus must be at "
+        "least 2, or a CPU cell (topology.gpus 0) states runtime.ranks of at least 2",
         field_path=".runtime.parallelism",
+    ),
+    cel(
+        "!has(self.runtime.ranks) || self.runtime.parallelism != 'single' || self.runtime.ranks == 1",
+        "runtime.parallelism single runs one process: runtime.ranks must be 1 or omitted",
+        field_path=".runtime.ranks",
+    ),
+    cel(
+        "!has(self.runtime.ranks) || self.topology.gpus == 0 || self.runtime.ranks == self.topology.gpus",
+        "a GPU cell runs one rank per GPU: runtime.ranks must equal topology.gpus or be omitted",
+        field_path=".runtime.ranks",
     ),
     cel(
         "self.topology.gpus != 0 || self.topology.interconnect == 'none'",
@@ -237,7 +257,8 @@ class CellSpec(_Model):
     )
     replicas: int = Field(default=1, ge=0, le=64, description="Cell pods to run.")
     port: int = Field(default=8080, ge=1024, le=65535, description="Port the worker listens on.")
-    kvMemoryMiB: int | None = Field(default=None, ge=16, le=4194304, description="KV-cache memory budget per pod in MiB.")
+    kvMemoryMiB: int | None = Field(default=None, ge=16, le=4194304, description="KV-cache memory budget in MiB per rank (a "
+                                     "single-rank cell has one; a sharded-kv cell serves its ranks' KV together).")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory per cell pod (GPUs come from topology).")
     baseline: str | None = Field(
         default=None, pattern=NAME_PATTERN, max_length=63, description="Name of the Cell in the same namespace this cell must beat to be kept."

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import Backend, CellSpec, KVPrecision, Parallelism, WeightPrecision
+from . import AttentionMode, Backend, CellSpec, KVPrecision, Parallelism, WeightPrecision
 from . import enum_value as _v
 
 
@@ -43,7 +43,14 @@ REASONS = {
                      "(use topology.gpus 0 for a CPU cell, or runtime.backend triton for a GPU cell)",
     "topology.gpus.single": "a single-process triton cell computes on one GPU: the others would sit idle (use "
                             "topology.gpus 1; multi-rank shapes are not built yet)",
-    "runtime.parallelism": "this worker version runs one process per cell; multi-rank shapes are not built yet",
+    "runtime.parallelism": "tensor, pipeline and data parallel cells are not built yet (sharded-kv is served over CPU "
+                           "ranks)",
+    "runtime.parallelism.gpus": "sharded-kv is served over CPU ranks (topology.gpus 0, runtime.ranks N, gloo); its GPU "
+                                "ranks (NCCL, runtime.backend triton) are not built yet",
+    "runtime.ranks": "a CPU cell with a multi-rank parallelism states how many CPU ranks it runs: runtime.ranks of at "
+                     "least 2",
+    "profile.kv.sharded": "the sharded-KV runner reads fp32 / bf16 / fp16 / int8 / fp8 caches, not packed rotated int4",
+    "profile.attention.sharded": "block-sparse prefill is not built across KV shards: a sharded-kv cell prefills dense",
     "profile.weights": "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
                        f"from one of {', '.join(SERVED_WEIGHTS)}",
     "profile.kv": "the triton backend's prefill kernel reads int8 / fp8 caches, not packed rotated int4 (the torch "
@@ -62,13 +69,21 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("topology.gpus", "0", "the triton backend runs on GPUs: topology.gpus must be at least 1"))
     elif backend == Backend.triton.value and gpus > 1 and parallelism == Parallelism.single.value:
         out.append(Unserved("topology.gpus", str(gpus), REASONS["topology.gpus.single"]))
-    if parallelism != Parallelism.single.value:
+    if parallelism == Parallelism.sharded_kv.value and gpus >= 1:
+        out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism.gpus"]))
+    elif parallelism not in (Parallelism.single.value, Parallelism.sharded_kv.value):
         out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism"]))
+    if parallelism != Parallelism.single.value and gpus == 0 and (spec.runtime.ranks or 1) < 2:   # the CEL rule too
+        out.append(Unserved("runtime.ranks", str(spec.runtime.ranks), REASONS["runtime.ranks"]))
     if weights not in SERVED_WEIGHTS:
         out.append(Unserved("profile.weights", weights, REASONS["profile.weights"]))
     kv = _v(spec.profile.kv)
     if backend == Backend.triton.value and kv == KVPrecision.int4.value:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv"]))
+    elif parallelism == Parallelism.sharded_kv.value and kv == KVPrecision.int4.value:
+        out.append(Unserved("profile.kv", kv, REASONS["profile.kv.sharded"]))
+    if parallelism == Parallelism.sharded_kv.value and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
+        out.append(Unserved("profile.attention", "block-sparse", REASONS["profile.attention.sharded"]))
     return out
 
 
@@ -85,7 +100,7 @@ def not_served() -> list[str]:
     each enum field of a CPU cell, the GPU counts of each backend, and the KV precisions of a triton cell: the
     capability report's "unsupported"."""
     out = []
-    for path, enum in ENUM_FIELDS:
+    for path, enum in ENUM_FIELDS:   # a multi-rank parallelism is probed on CPU ranks (runtime.ranks 2)
         refused = [v.value for v in enum if any(u.field == path for u in unserved(_probe(path, v.value)))]
         if refused:
             out.append(f"{path}: {', '.join(refused)}")
@@ -97,14 +112,28 @@ def not_served() -> list[str]:
                  if any(u.field == "profile.kv" for u in unserved(_probe("profile.kv", v.value, backend="triton")))]
     if triton_kv:
         out.append(f"profile.kv: {', '.join(triton_kv)} with runtime.backend triton")
+    sharded = {"runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
+    if any(u.field == "runtime.parallelism" for u in unserved(_probe(
+            "topology.gpus", 2, sections={"runtime": {"backend": "triton", "parallelism": "sharded-kv"},
+                                          "topology": {"gpus": 2, "interconnect": "nvlink"}}))):
+        out.append("runtime.parallelism: sharded-kv with topology.gpus >= 1")
+    for path, enum in (("profile.kv", KVPrecision), ("profile.attention", AttentionMode)):
+        refused = [v.value for v in enum
+                   if any(u.field == path for u in unserved(_probe(path, v.value, sections=sharded)))]
+        if refused:
+            out.append(f"{path}: {', '.join(refused)} with runtime.parallelism sharded-kv")
     return out
 
 
-def _probe(path: str, value: Any, backend: str = "torch") -> CellSpec:
+def _probe(path: str, value: Any, backend: str = "torch", sections: dict[str, dict] | None = None) -> CellSpec:
     spec: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in _PROBE.items()}
     if backend == "triton":
         spec["runtime"] = {"backend": "triton"}
         spec["topology"] = {"gpus": 1, "interconnect": "none"}
+    for k, v in (sections or {}).items():
+        spec[k] = dict(v)
     section, key = path.split(".")
     spec[section][key] = value
+    if path == "runtime.parallelism" and value != Parallelism.single.value:
+        spec["runtime"]["ranks"] = 2
     return CellSpec.model_validate(spec)

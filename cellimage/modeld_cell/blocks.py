@@ -80,7 +80,7 @@ class BlockManager:
         """Make s.blocks cover n_tokens (caller checked the budget)."""
         need = self.kv.blocks_for(n_tokens) - len(s.blocks)
         if need > 0:
-            s.blocks.extend(self.kv.allocate(need, after=s.blocks[-1] if s.blocks else None))
+            s.blocks.extend(self.kv.allocate(need, after=s.blocks[-1] if s.blocks else None, first=len(s.blocks)))
 
     def fits(self, extra_blocks: int, released: int = 0) -> None:
         if extra_blocks > self.kv.free_blocks + released:
@@ -188,7 +188,7 @@ class BlockManager:
             return
         b = s.blocks[i]
         if self.kv.ref[b] > 1:
-            (nb,) = self.kv.allocate(1)
+            (nb,) = self.kv.allocate(1, first=i)
             s.blocks[i] = nb
             self.kv.free([b])
             self.e._counters["prefix_cache_blocks_copied_total"] += 1

@@ -50,9 +50,11 @@ def capability(e: Engine) -> dict:
                "max_tokens_in_budget": e.kv.max_tokens, "num_blocks": kvs["num_blocks"],
                "free_blocks": kvs["free_blocks"], "usage_ratio": kvs["usage_ratio"],
                "full_context_sessions": e.kv.max_tokens // e.context_tier},
+        "parallel": (e.runner.report() if hasattr(e.runner, "report")
+                     else {"shape": e.config.parallelism, "ranks": e.config.ranks}),
         "memory": {"weights_bytes": weights_bytes, "kv_budget_bytes": e.kv.budget_bytes, "rss_bytes": rss},
         "runtime": {"backend": e.identity["backend"], "version": __version__, "torch": torch.__version__,
-                    "device": str(e.kv.k.device), "device_name": device_name(e.kv.k.device),
+                    "device": str(e.kv.device), "device_name": device_name(e.kv.device),
                     "runner": e.runner.name, "startup_check": e.startup, "threads": torch.get_num_threads(),
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
                     "prefill_chunk": e.settings.prefill_chunk,

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 from importlib import resources
@@ -83,14 +84,36 @@ def model_name(spec: dict[str, Any]) -> str:
     return stem or str(spec.get("model", {}).get("family", ""))
 
 
-def build_engine(spec: dict[str, Any], settings: Settings) -> Any:
-    from .engine import Engine, EngineSettings
+def multi_rank(spec: dict[str, Any]) -> bool:
+    return spec.get("runtime", {}).get("parallelism", "single") != "single"
 
-    engine_settings = EngineSettings.from_env()
+
+def engine_settings(spec: dict[str, Any], settings: Settings) -> Any:
+    from .config import EngineSettings
+
+    out = EngineSettings.from_env()
     if settings.threads:
-        engine_settings.threads = settings.threads  # MODELD_THREADS, validated by Settings
-    return Engine.from_cell(spec, model_path=settings.model_path, settings=engine_settings,
+        out.threads = settings.threads  # MODELD_THREADS, validated by Settings
+    elif multi_rank(spec):              # the node's cores shared by the ranks the launcher started on it
+        out.threads = max(1, out.threads // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return out
+
+
+def build_engine(spec: dict[str, Any], settings: Settings) -> Any:
+    from .engine import Engine
+
+    return Engine.from_cell(spec, model_path=settings.model_path, settings=engine_settings(spec, settings),
                             quality_cache=settings.cache_dir)
+
+
+def follow(spec: dict[str, Any], settings: Settings) -> int:
+    """A follower rank (RANK > 0 under torch's launcher): no HTTP; runs what rank 0 sends (parallel/ranks.py)."""
+    from .loader import load_follower
+
+    log.info("follower rank: loading the model", extra={"fields": {"rank": os.environ.get("RANK"),
+                                                                    "cell": settings.cell_name}})
+    load_follower(spec, settings.model_path, engine_settings(spec, settings))
+    return 0
 
 
 async def serve(settings: Settings, spec: dict[str, Any]) -> int:
@@ -136,6 +159,7 @@ async def serve(settings: Settings, spec: dict[str, Any]) -> int:
             app[WORKER].attach(engine)
             log.info("ready", extra={"fields": {"model": model_name(spec)}})
             await stopping
+            await asyncio.to_thread(engine.shutdown)      # a multi-rank cell's followers stop with it
         log.info("shutting down")
         return 0
     finally:
@@ -174,8 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(settings.log_level)
 
+    if multi_rank(spec) and os.environ.get("RANK", "0") != "0":
+        return follow(spec, settings)
     if args.command == "capability":
-        print(json.dumps(build_engine(spec, settings).capability(), indent=2, sort_keys=True, default=str))
+        eng = build_engine(spec, settings)
+        print(json.dumps(eng.capability(), indent=2, sort_keys=True, default=str))
+        eng.shutdown()
         return 0
     if settings.port is None:
         settings = dataclasses.replace(settings, port=int(spec.get("port", 8080)))

@@ -46,6 +46,8 @@ class EngineSettings:
     sparse_max_density: float = sparse_ref.DENSE_ABOVE_DENSITY  # MODELD_SPARSE_MAX_DENSITY: denser masks run dense
     sparse_keep_ratio: float = 0.1                      # MODELD_SPARSE_KEEP_RATIO: vertical-slash estimate's keep ratio
     sparse_max_keep_tokens: int = sparse_ref.MAX_KEEP_TOKENS  # MODELD_SPARSE_MAX_KEEP_TOKENS: its cap, in tokens
+    # multi-rank cells only: a collective a rank does not join within this many seconds fails (RankLost -> Fatal)
+    collective_timeout_s: int = 60                      # MODELD_COLLECTIVE_TIMEOUT_S
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -53,7 +55,8 @@ class EngineSettings:
         for attr, env in (("threads", "MODELD_THREADS"), ("prefill_chunk", "MODELD_PREFILL_CHUNK"),
                           ("max_decode_batch", "MODELD_MAX_DECODE_BATCH"),
                           ("sparse_min_tokens", "MODELD_SPARSE_MIN_TOKENS"),
-                          ("sparse_max_keep_tokens", "MODELD_SPARSE_MAX_KEEP_TOKENS")):
+                          ("sparse_max_keep_tokens", "MODELD_SPARSE_MAX_KEEP_TOKENS"),
+                          ("collective_timeout_s", "MODELD_COLLECTIVE_TIMEOUT_S")):
             if os.environ.get(env):
                 v = int(os.environ[env])
                 if v < 1:
@@ -117,6 +120,8 @@ class CellConfig:
     kv: str = "fp32"
     kv_memory_mib: int = DEFAULT_KV_MEMORY_MIB
     context_tier: int = 0                 # tokens per session: the spec's contextTier (a test sibling may shrink it)
+    parallelism: str = "single"           # runtime.parallelism
+    ranks: int = 1                        # processes over torch.distributed: runtime.ranks, else topology.gpus
 
     @classmethod
     def from_spec(cls, spec: CellSpec | Mapping[str, Any]) -> CellConfig:
@@ -134,8 +139,11 @@ class CellConfig:
         weights = enum_value(spec.profile.weights)
         compute = weights if weights in _DTYPES else cpu_compute_dtype()  # a stored format: dequantized at load
         mib = spec.kvMemoryMiB if spec.kvMemoryMiB is not None else DEFAULT_KV_MEMORY_MIB
+        parallelism = enum_value(spec.runtime.parallelism)
+        ranks = 1 if parallelism == "single" else (spec.runtime.ranks or spec.topology.gpus)
         return cls(spec=spec, backend=enum_value(spec.runtime.backend), weights=compute, weights_storage=weights,
-                   kv=kv_format(enum_value(spec.profile.kv)).name, kv_memory_mib=mib, context_tier=spec.contextTier)
+                   kv=kv_format(enum_value(spec.profile.kv)).name, kv_memory_mib=mib, context_tier=spec.contextTier,
+                   parallelism=parallelism, ranks=ranks)
 
     # the spec's fields, as the engine reads them
     @property

@@ -44,7 +44,7 @@ __all__ = ["SPARSE_BLOCK", "CellConfig", "DecodeEvent", "Engine", "EngineSetting
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, kv: PagedKVCache, config: CellConfig,
-                 identity: dict[str, Any], settings: EngineSettings | None = None) -> None:
+                 identity: dict[str, Any], settings: EngineSettings | None = None, runner: Any = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
@@ -63,7 +63,8 @@ class Engine:
         self.blocks = BlockManager(self, kv)         # blocks, refcounts, prefix index, copy-on-write (blocks.py)
         self._running_prefills = 0
         # builds attention metadata, owns the kernel choice: runner.py (torch), triton_runner.py (triton)
-        self.runner = runner_for(config.backend)(model, kv)
+        # (a multi-rank cell's loader passes its driving runner: parallel/ranks.py)
+        self.runner = runner if runner is not None else runner_for(config.backend)(model, kv)
         self.startup: dict | None = None                 # a device backend's start-up forward (loader.load_engine)
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
                           "prefix_cache_hits": 0, "tokens_computed_total": 0, "requests_total": 0,
@@ -82,13 +83,14 @@ class Engine:
     @classmethod
     def from_cell(cls, spec: CellSpec | Mapping[str, Any], model_path: str | None = None,
                   settings: EngineSettings | None = None, quality_cache: str | None = DEFAULT_QUALITY_CACHE,
-                  device: str | None = None, layers: int | None = None) -> Engine:
+                  device: str | None = None, layers: int | None = None, gate: bool = True) -> Engine:
         """Load the cell's weights and build its engine. A lossy profile (quantized KV, block-sparse prefill) is served
         only if its quality smoke, measured on this machine (cached under ``quality_cache``; None: not cached),
         passes: else errors.Unsupported naming the field and the measured numbers (profile_gate.py). ``device``
         None: the backend's (loader.resolve_device); "cpu" with backend triton: the interpreter proof. ``layers``:
-        the first that many layers only (proofs on a stated prefix of the model)."""
-        return load_engine(cls, spec, model_path, settings, quality_cache, device, layers)
+        the first that many layers only (proofs on a stated prefix of the model). ``gate=False``: no quality smoke
+        (exactness proofs of a lossy format against itself elsewhere; the worker always gates)."""
+        return load_engine(cls, spec, model_path, settings, quality_cache, device, layers, gate)
 
     def sibling(self, kv: str | None = None, attention: str | None = None, kv_mib: int | None = None,
                 settings: EngineSettings | None = None, identity: dict | None = None, context_tier: int | None = None,
@@ -101,9 +103,14 @@ class Engine:
         return sibling_engine(self, kv, attention, kv_mib, settings, identity, context_tier, profile)
 
     def shutdown(self) -> None:
-        """Stop the decode loop and the torch thread (tests, process exit)."""
+        """Stop the decode loop and the torch thread (tests, process exit); a driving runner's followers too."""
         self.scheduler.shutdown()
         self._thread.shutdown()
+        if self.ready and hasattr(self.runner, "stop"):
+            try:
+                self.runner.stop()
+            except RuntimeError:           # a lost rank: the launcher stops the others
+                pass
 
     # ---- small helpers
 

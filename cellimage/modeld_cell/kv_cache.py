@@ -165,13 +165,20 @@ class PagedKVCache:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the pool's tensors live (for a rank's bookkeeping pool: that rank's own blocks)."""
+        return self.k.device
+
     # ---- allocation (host side, event-loop thread only)
 
-    def allocate(self, n_blocks: int, after: int | None = None) -> list[int]:
+    def allocate(self, n_blocks: int, after: int | None = None, first: int = 0) -> list[int]:
         """Take n_blocks from the free list; Overflow (nothing taken) when fewer are free.
 
         ``after``: the caller's last block; when after+1, after+2, ... are free they are taken first, so a growing
         session stays one contiguous run (attention then reads a zero-copy view instead of gathering blocks).
+        ``first``: the session's index of the first block taken (a pool whose blocks live on several ranks,
+        parallel/sharded_kv.ShardedPool, places blocks by it; here every block is alike).
         """
         if n_blocks < 0:
             raise ValueError(f"n_blocks {n_blocks} < 0")
@@ -220,7 +227,11 @@ class PagedKVCache:
                 if b in self.index:
                     self.index.park(b)
                 else:
-                    heapq.heappush(self._free, b)
+                    self._push_free(b)
+
+    def _push_free(self, block: int) -> None:
+        """A block no one references and the index does not name goes back to the free list."""
+        heapq.heappush(self._free, block)
 
     def forget(self, block: int) -> None:
         """Un-name a block (it is about to be overwritten by its only holder)."""
@@ -230,7 +241,7 @@ class PagedKVCache:
         """Free every cached unreferenced block (a cold start for benchmarks); returns how many."""
         out = self.index.clear_unreferenced()
         for b in out:
-            heapq.heappush(self._free, b)
+            self._push_free(b)
         return len(out)
 
     def copy_block(self, src: int, dst: int, n: int) -> None:
@@ -291,6 +302,14 @@ class PagedKVCache:
         idx = self.slots(blocks, 0, n).to(self.k.device)
         shape = (self.n_layers, -1, self.n_kv_heads, *self.scale_tail)
         return self.k_scale.view(shape).index_select(1, idx), self.v_scale.view(shape).index_select(1, idx)
+
+    def read_payload(self, blocks: list[int], n: int) -> list[tuple[str, Tensor]]:
+        """The first n tokens' K/V (and scales when quantized) as stored, named as payload_spec names them."""
+        k, v = self.read_tokens(blocks, n)
+        out = [("k", k), ("v", v)]
+        if (sc := self.read_scales(blocks, n)) is not None:
+            out += [("k_scale", sc[0]), ("v_scale", sc[1])]
+        return out
 
     def payload_spec(self, n: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """What read_tokens + read_scales return for n tokens, by snapshot tensor name: {name: (dtype, shape)}."""

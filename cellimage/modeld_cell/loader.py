@@ -115,18 +115,12 @@ def resolve_device(cfg: CellConfig, device: str | None) -> None:
     cfg.device = device
 
 
-def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_path: str | None,
-                settings: EngineSettings | None, quality_cache: str | None, device: str | None = None,
-                layers: int | None = None) -> Engine:
-    from . import profile_gate
+def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None) -> tuple[Any, Transformer, str, str, Any]:
+    """Read and check the checkpoint and build the model: (checkpoint, model, digest, source sha256, adapter)."""
     from .models import build_model, load_checkpoint
     from .models.lora import load_adapter
     from .models.lora import merge as merge_adapter
 
-    cfg = CellConfig.from_spec(spec)
-    resolve_device(cfg, device)
-    settings = settings or EngineSettings.from_env()
-    torch.set_num_threads(settings.threads)
     model_path = model_path or resolve_model_path(cfg)
     ckpt = load_checkpoint(model_path)
     if cfg.model_format != ckpt.format:
@@ -142,13 +136,62 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
         # merged after the digest check: model_digest stays the base weights' digest (what spec.model.digest pins);
         # the identity's "adapter" field names the adapter by its file's sha256
         merge_adapter(model, adapter)
+    return ckpt, model, digest, source_sha, adapter
+
+
+def _rank_pool(cfg: CellConfig, model: Transformer) -> PagedKVCache:
+    """The KV pool of this process: the cell's, or one rank's (kvMemoryMiB per rank)."""
     a = model.args                  # the built model's (a stated prefix of the layers when ``layers`` is given)
-    kv = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
-                      DEFAULT_BLOCK_SIZE, device=cfg.device)
+    return PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
+                        DEFAULT_BLOCK_SIZE, device=cfg.device)
+
+
+def load_follower(spec: CellSpec | Mapping[str, Any], model_path: str | None, settings: EngineSettings | None,
+                  layers: int | None = None) -> None:
+    """A follower rank of a multi-rank cell (rank > 0): load the same weights and its own KV pool, join the group,
+    then run what rank 0 sends until it says stop (parallel/ranks.follow)."""
+    from .parallel import ranks
+    from .parallel.sharded_kv import ShardedKVRunner
+
+    cfg = CellConfig.from_spec(spec)
+    resolve_device(cfg, None)
+    settings = settings or EngineSettings.from_env()
+    torch.set_num_threads(settings.threads)
+    rk = ranks.join(cfg.ranks, cfg.device, settings.collective_timeout_s)
+    _, model, _, _, _ = _load_model(cfg, model_path, layers)
+    ranks.follow(ShardedKVRunner(model, _rank_pool(cfg, model)), rk)
+
+
+def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_path: str | None,
+                settings: EngineSettings | None, quality_cache: str | None, device: str | None = None,
+                layers: int | None = None, gate: bool = True) -> Engine:
+    from . import profile_gate
+
+    cfg = CellConfig.from_spec(spec)
+    resolve_device(cfg, device)
+    settings = settings or EngineSettings.from_env()
+    torch.set_num_threads(settings.threads)
+    rk = None
+    if cfg.parallelism != "single":                  # served: sharded-kv (modeld_api.served)
+        from .parallel import ranks
+        rk = ranks.join(cfg.ranks, cfg.device, settings.collective_timeout_s)
+        if rk.rank != 0:
+            raise errors.Fatal(f"rank {rk.rank} builds no engine: it follows rank 0 (loader.load_follower)")
+    ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers)
+    kv: PagedKVCache = _rank_pool(cfg, model)
+    runner = None
+    backend = f"{cfg.backend}-{torch.device(cfg.device).type}"
+    if rk is not None:
+        from .parallel.pool import ShardedPool
+        from .parallel.ranks import DrivingRunner
+        runner = DrivingRunner(model, kv, rk)
+        kv = ShardedPool(kv, rk.world, runner)
+        # the merge's order of sums is part of every K/V bit past the first layer: the shape is in the identity
+        backend += f" sharded-kv x{rk.world}"
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,
         "model_format": ckpt.format, "model_digest": digest, "source_sha256": source_sha,
-        "weights_dtype": cfg.weights, "backend": f"{cfg.backend}-{torch.device(cfg.device).type}",
+        "weights_dtype": cfg.weights, "backend": backend,
         "backend_version": backend_version(cfg.backend), "kv_dtype": cfg.kv,
         "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
         "params": sum(p.numel() for p in model.parameters()),
@@ -158,13 +201,13 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
             {"model": cfg.raw["model"], "source_sha256": source_sha},
             sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest(),
     }
-    eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings)
+    eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings, runner=runner)
     ckpt.tensors.clear()
     try:
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()
-        eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)]
+        eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)] if gate else []
     except BaseException:
         eng.shutdown()
         raise
@@ -184,7 +227,7 @@ def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: 
         cfg.context_tier = context_tier
     a = base.model.args
     cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
-                         base.kv.block_size, device=base.kv.k.device)
+                         base.kv.block_size, device=base.kv.device)
     e = type(base)(base.model, base.tokenizer, cache, cfg, dict(base.identity, kv_dtype=cfg.kv, **(identity or {})),
                    settings or dataclasses.replace(base.settings))
     e.runner.choose_decode_kernel(e.settings.decode_attention)   # its own choice, for its KV format

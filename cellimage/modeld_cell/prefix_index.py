@@ -21,7 +21,7 @@ import hashlib
 import json
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 # The fields of the engine identity that name the KV a block holds (docs/reuse.md). Each one is hashed into the root.
@@ -113,6 +113,15 @@ class PrefixIndex:
     def evict(self) -> int:
         """Drop the least recently used unreferenced block from the index and return its id (now free)."""
         block, _ = self._lru.popitem(last=False)
+        self.unregister(block)
+        self.evictions += 1
+        return block
+
+    def evict_where(self, pred: Callable[[int], bool]) -> int:
+        """evict() of the least recently used unreferenced block for which pred(block) holds (KeyError: none)."""
+        block = next((b for b in self._lru if pred(b)), None)
+        if block is None:
+            raise KeyError("no evictable block satisfies the predicate")
         self.unregister(block)
         self.evictions += 1
         return block

@@ -147,7 +147,7 @@ def verdict(engine: Any, profile: str, cache_dir: str | None,
             thresholds: dict[str, Any] | None = None, hw: dict[str, Any] | None = None) -> Verdict:
     """The verdict on ``profile`` for ``engine``'s weights on this hardware: the cached measurement when one exists
     for the same key, else a new one (written to the cache). ``thresholds`` default to quality.PROFILE_THRESHOLDS."""
-    hw = hw if hw is not None else hardware(engine.kv.k.device)
+    hw = hw if hw is not None else hardware(engine.kv.device)
     key = measurement_key(engine, profile, hw)
     path = os.path.join(cache_dir, "quality", f"{key}.json") if cache_dir else None
     rec = None

@@ -143,10 +143,8 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
     try:
         def work() -> dict:
             a = eng.model.args
-            k, v = eng.kv.read_tokens(s.blocks, s.kv_len)           # k, v: [L, kv_len, Hkv, D] (copies)
-            tensors = [("k", k), ("v", v)]
-            if (sc := eng.kv.read_scales(s.blocks, s.kv_len)) is not None:  # quantized: fp16 scales
-                tensors += [("k_scale", sc[0]), ("v_scale", sc[1])]
+            # k, v: [L, kv_len, Hkv, D] (copies), + fp16 k_scale, v_scale when quantized
+            tensors = eng.kv.read_payload(s.blocks, s.kv_len)
             tensors += [("logits", s.logits.float().cpu())] if s.logits is not None else []
             table, off = [], 0
             for name, t in tensors:
@@ -175,6 +173,8 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
         return info
     except OSError as e:
         raise eng._err(errors.BadRequest(f"cannot write snapshot to {path}: {e}", path=path)) from e
+    except RuntimeError as e:      # the backend failed reading the K/V (e.g. a lost rank): Fatal, not ready
+        raise eng._fatal(e) from e
     finally:
         s.busy = None
 

@@ -131,6 +131,17 @@ def node_affinity(spec: api.CellSpec) -> dict[str, Any]:
     return {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}
 
 
+def worker_command(spec: api.CellSpec) -> list[str]:
+    """The worker's command: one process, or one per rank started by torch's own launcher (rank 0 serves HTTP, the
+    others follow it; a rank that exits makes the launcher stop the rest and exit, so the container restarts them
+    together). ``--standalone``: the ranks meet on a free local port inside the pod."""
+    if api.enum_value(spec.runtime.parallelism) == api.Parallelism.single.value:
+        return ["modeld-cell", "serve"]
+    ranks = spec.runtime.ranks or spec.topology.gpus
+    return ["python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
+            "-m", "modeld_cell", "serve"]
+
+
 def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any]:
     """The cell pod: worker command, the cell spec in its environment (no volumes needed), GPUs, affinity."""
     labels = {api.LABEL_CELL: name, api.LABEL_MANAGED_BY: "modeld", "app.kubernetes.io/name": "modeld-cell"}
@@ -157,7 +168,7 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
     container = {
         "name": "worker",
         "image": spec.image,
-        "command": ["modeld-cell", "serve"],
+        "command": worker_command(spec),
         "ports": [{"name": "http", "containerPort": spec.port}],
         "env": env,
         "resources": {k: v for k, v in resources.items() if v},

@@ -36,6 +36,44 @@ def test_sharded_kv_across_ranks_equals_one_rank(smollm2_path, tmp_path, world, 
     assert res["max_abs_logits"] <= MAX_ABS, res["max_abs_logits"]
 
 
+def _torchrun(world: int, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "cellimage"), str(ROOT / "api"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                           str(ROOT / "tests/dist" / script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("world, kv, steps", [(2, "fp32", 256), (3, "int8", 32)], ids=["2-ranks-fp32", "3-ranks-int8"])
+def test_a_sharded_kv_engine_serves_the_contract_exactly_as_one_rank(smollm2_path, tmp_path, world, kv, steps):
+    """The engine as the worker builds it (rank 0 drives a ShardedPool, the others follow): a prompt across page and
+    shard boundaries, greedy decode, a suffix after the cached past, a branch through the prefix cache with a
+    copy-on-write block decoded in one batch with its parent, and a snapshot restored into a new session, all
+    against a single-rank engine of the same weights."""
+    out = tmp_path / "result.json"
+    r = _torchrun(world, "sharded_engine_rank.py", smollm2_path, kv, str(steps), str(out))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    res = json.loads(out.read_text())
+    assert res["world"] == world and res["runner"] == "sharded-kv"
+    assert res["tokens"] == res["reference_tokens"], res
+    assert len(res["tokens"]["decode"]) == steps
+    errs = res["max_abs_logits"]
+    assert errs["restored"] is None                 # the snapshot's last token had not run: logits unknown, both sides
+    for checkpoint in ("prefix", "suffix", "branch"):
+        assert errs[checkpoint] <= MAX_ABS, (checkpoint, errs)
+    # the branch shared the prefix cache's blocks and copied the divergent one, as on one rank
+    assert res["branch_reuse"] == res["reference_branch_reuse"]
+    assert res["branch_reuse"]["source"] == "prefix-cache" and res["branch_reuse"]["blocks_copied"] == 1
+    assert res["branch_reuse"]["tokens_reused"] == 45
+    # the report: the ranks' KV together, per rank, the layout; a sharded snapshot is not a single-rank one
+    par = res["parallel"]
+    assert par["shape"] == "sharded-kv" and par["ranks"] == world and par["layout"].startswith("round-robin")
+    assert par["max_tokens_total"] == world * par["max_tokens_per_rank"]
+    assert res["kv_report"]["max_tokens_in_budget"] == par["max_tokens_total"]
+    assert par["forwards"]["decode"] > 0 and par["collective_ms_per_forward"]["decode"] is not None
+    assert res["foreign_snapshot"].startswith("bad_request") and "backend" in res["foreign_snapshot"], res
+
+
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_a_lost_rank_is_a_typed_error_within_the_collective_timeout(smollm2_path, tmp_path, mode):
     """A rank that dies (or stops answering) mid-decode: the other's next collective raises RankLost (which the
@@ -52,3 +90,58 @@ def test_a_lost_rank_is_a_typed_error_within_the_collective_timeout(smollm2_path
     assert res["error"] == "RankLost" and res["steps"] == 3, res
     # bounded by the group's timeout (plus scheduling slack), never a hang
     assert res["seconds"] <= timeout_s + 10, res
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the launcher's worker processes (their RANK environment variable)."""
+    out = {}
+    for child in pathlib.Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
+        env = pathlib.Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        rank = next((int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            out[rank] = int(child)
+    return out
+
+
+def test_the_worker_under_torchs_launcher_serves_from_rank_0_and_goes_down_with_a_lost_rank(smollm2_path, tmp_path):
+    """The pod's command for a multi-rank cell (placement.worker_command) on this machine: rank 0 answers HTTP with
+    the ranks' capability and a real exchange; when a follower is killed, the launcher stops rank 0 and exits
+    non-zero (the container then restarts all ranks together), well within the collective timeout."""
+    import yaml
+
+    from tests.cell.test_server_entrypoint import _free_port, _http, _wait_for
+    from tests.unit.test_cli import CELL
+
+    spec = {**CELL["spec"], "runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
+    cell = tmp_path / "cell.yaml"
+    cell.write_text(yaml.safe_dump({**CELL, "spec": spec}))
+    port = _free_port()
+    log = tmp_path / "worker.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "cellimage"), str(ROOT / "api")]),
+           "MODELD_CACHE_DIR": str(tmp_path / "cache"), "MODELD_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1",
+           "MODELD_COLLECTIVE_TIMEOUT_S": "30"}
+    env.pop("MODELD_THREADS", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "--max-restarts=0", "-m", "modeld_cell", "serve", "--cell", str(cell),
+                                 "--host", "127.0.0.1", "--port", str(port), "--model", smollm2_path],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait_for(base + "/readyz", proc, log) == {"ready": True}
+        status, cap = _http("GET", base + "/v1/capability")
+        assert status == 200 and cap["parallel"]["shape"] == "sharded-kv" and cap["parallel"]["ranks"] == 2, cap
+        assert cap["runtime"]["runner"] == "sharded-kv" and cap["runtime"]["threads"] >= 1
+        status, out = _http("POST", base + "/v1/sessions/s/prefix", {"text": "The capital of France is"})
+        assert status == 200, out
+        status, out = _http("POST", base + "/v1/sessions/s/decode", {"max_tokens": 3})
+        assert status == 200 and "Paris" in out["text"], out
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], 9)
+        code = proc.wait(timeout=60)
+        assert code != 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 from modeld_cell.models import build_model, load_checkpoint
-from modeld_cell.parallel.sharded_kv import ShardedKVRunner
+from modeld_cell.parallel.sharded_kv import ShardedKVRunner, global_id
 from modeld_cell.runner import TorchRunner
 
 def run(runner, tables_of, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -51,10 +51,11 @@ def main() -> None:
         return PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, fmt, 8 << 20)
 
     kv = pool()
-    local = kv.allocate(kv.num_blocks)[1:]          # block 0 is the scratch block (sharded_kv.SCRATCH)
+    # the session's block i on rank i % world, local ids from 1 (local 0 is the scratch block, sharded_kv.SCRATCH)
+    table = [global_id(1 + i // world, i % world, world) for i in range((kv.num_blocks - 1) * world)]
     runner = ShardedKVRunner(model, kv)
     prompt = [(i * 7919 + 11) % a.vocab_size for i in range(57)]          # crosses pages and shards
-    logits, toks = run(runner, lambda n: runner.local_table(n, local), prompt, steps)
+    logits, toks = run(runner, lambda n: table[: kv.blocks_for(n)], prompt, steps)
     if rank == 0:
         ref_kv = pool()
         blocks = ref_kv.allocate(ref_kv.num_blocks)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 from modeld_cell.models import build_model, load_checkpoint
-from modeld_cell.parallel.sharded_kv import RankLost, ShardedKVRunner
+from modeld_cell.parallel.sharded_kv import RankLost, ShardedKVRunner, global_id
 
 
 def main() -> None:
@@ -32,10 +32,11 @@ def main() -> None:
     model, _, _ = build_model(load_checkpoint(path), torch.float32, layers=1, use_digest_cache=False)
     a = model.args
     kv = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format("fp32"), 4 << 20)
-    local = kv.allocate(kv.num_blocks)[1:]
+    world = dist.get_world_size()
+    table = [global_id(1 + i // world, i % world, world) for i in range((kv.num_blocks - 1) * world)]
     runner = ShardedKVRunner(model, kv)
     seq = [(i * 7919 + 11) % a.vocab_size for i in range(40)]
-    logits = runner.prefill(seq, 0, runner.local_table(len(seq), local))[0]
+    logits = runner.prefill(seq, 0, table[: kv.blocks_for(len(seq))])[0]
     res: dict = {"steps": 0}
     t0 = time.monotonic()
     try:
@@ -46,7 +47,7 @@ def main() -> None:
                 os._exit(0)
             seq.append(int(logits.argmax()))
             t0 = time.monotonic()
-            logits = runner.decode([seq[-1]], [len(seq) - 1], [runner.local_table(len(seq), local)])[0]
+            logits = runner.decode([seq[-1]], [len(seq) - 1], [table[: kv.blocks_for(len(seq))]])[0]
             res["steps"] = step + 1
     except RankLost as e:
         res.update(error=type(e).__name__, message=str(e)[:300], seconds=round(time.monotonic() - t0, 2))

@@ -56,6 +56,18 @@ MALFORMED = [
         "topology.gpus must be at least 2",
     ),
     (
+        "sharded-kv-cpu-without-ranks",
+        edit(edit(CELL, "spec.runtime", {"backend": "torch", "parallelism": "sharded-kv"}), "spec.topology",
+             {"gpus": 0, "interconnect": "none"}),
+        "or a CPU cell (topology.gpus 0) states runtime.ranks of at least 2",
+    ),
+    ("single-with-ranks", edit(CELL, "spec.runtime", {"backend": "triton", "ranks": 2}), "runtime.ranks must be 1 or omitted"),
+    (
+        "ranks-not-gpus",
+        edit(CELL, "spec.runtime", {"backend": "triton", "parallelism": "sharded-kv", "ranks": 4}),
+        "runtime.ranks must equal topology.gpus",
+    ),
+    (
         "cpu-cell-with-link",
         edit(edit(CELL, "spec.runtime.backend", "torch"), "spec.topology", {"gpus": 0, "interconnect": "pcie"}),
         "a CPU cell (topology.gpus: 0) has no GPU interconnect",
@@ -118,6 +130,14 @@ def test_valid_manifests_are_accepted_with_defaults(cluster, chart):
     assert created["spec"]["profile"] == {"attention": "dense", "kv": "bf16", "prefixReuse": True, "weights": "bf16"}
     assert created["spec"]["runtime"]["parallelism"] == "single"
     assert created["spec"]["replicas"] == 1
+
+
+def test_a_cpu_cell_with_cpu_ranks_is_accepted(cluster, chart):
+    cpu_ranks = edit(edit(CELL, "spec.runtime", {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}),
+                     "spec.topology", {"gpus": 0, "interconnect": "none"})
+    res = cluster.kubectl("create", "--dry-run=server", "-n", "default", "-o", "json", "-f", "-",
+                          input=yaml.safe_dump(cpu_ranks))
+    assert yaml.safe_load(res.stdout)["spec"]["runtime"]["ranks"] == 2
 
 
 def test_session_pinned_cell_is_immutable(cluster, chart, namespace):

@@ -131,6 +131,20 @@ def test_cpu_cell_pod_has_no_gpu_or_toleration():
     assert api.LABEL_LOCAL_RUN not in pod["metadata"]["labels"]
 
 
+@pytest.mark.parametrize("runtime, topology, want", [
+    ({"backend": "torch"}, {"gpus": 0, "interconnect": "none"}, ["modeld-cell", "serve"]),
+    ({"backend": "torch", "parallelism": "sharded-kv", "ranks": 3}, {"gpus": 0, "interconnect": "none"}, 3),
+    ({"backend": "triton", "parallelism": "sharded-kv"}, {"gpus": 4, "interconnect": "nvswitch"}, 4),
+], ids=["single", "cpu-ranks", "gpu-ranks"])
+def test_a_multi_rank_cell_runs_one_process_per_rank_under_torchs_launcher(runtime, topology, want):
+    cmd = placement.pod_template("c", "ns", cell_spec(runtime=runtime, topology=topology))["spec"]["containers"][0]["command"]
+    if isinstance(want, list):
+        assert cmd == want
+    else:
+        assert cmd[:3] == ["python", "-m", "torch.distributed.run"] and f"--nproc-per-node={want}" in cmd
+        assert cmd[-3:] == ["-m", "modeld_cell", "serve"] and "--max-restarts=0" in cmd
+
+
 # --- sessions -----------------------------------------------------------------------------------------------------
 
 EP = [api.Endpoint(pod="p0", url="http://127.20.0.2:8080", ready=True)]

@@ -28,7 +28,8 @@ def spec_with(path: str, value: str) -> dict:
     if path == "runtime.backend" and value == "triton":
         s["topology"] = {"gpus": 1, "interconnect": "none"}
     if path == "runtime.parallelism" and value != "single":
-        s["topology"] = {"gpus": 2, "interconnect": "nvlink"}
+        s["runtime"]["ranks"] = 2                                   # CPU ranks over gloo
+
     if path == "topology.interconnect" and value != "none":
         s["topology"] = {"gpus": 4, "interconnect": value}
     return s
@@ -37,7 +38,8 @@ def spec_with(path: str, value: str) -> dict:
 # (field, value) -> the field the refusal names, or None: served. This table is the product's current promise.
 EXPECTED = {
     **{("runtime.backend", v.value): None for v in api.Backend},
-    **{("runtime.parallelism", v.value): (None if v is api.Parallelism.single else "runtime.parallelism")
+    **{("runtime.parallelism", v.value): (None if v in (api.Parallelism.single, api.Parallelism.sharded_kv)
+                                          else "runtime.parallelism")
        for v in api.Parallelism},
     **{("topology.interconnect", v.value): (None if v is api.Interconnect.none else "topology.gpus")
        for v in api.Interconnect},
@@ -118,7 +120,26 @@ def test_the_capability_report_lists_exactly_the_values_refused():
     assert "topology.gpus: >= 1 with runtime.backend torch" in lines
     assert "topology.gpus: >= 2 with runtime.backend triton and runtime.parallelism single" in lines
     assert "profile.kv: int4 with runtime.backend triton" in lines
-    assert len(lines) == 5, lines
+    assert "runtime.parallelism: sharded-kv with topology.gpus >= 1" in lines
+    assert "profile.kv: int4 with runtime.parallelism sharded-kv" in lines
+    assert "profile.attention: block-sparse with runtime.parallelism sharded-kv" in lines
+    assert len(lines) == 8, lines
+
+
+SHARDED = {**CPU, "runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({}, None),
+    ({"runtime": {"backend": "torch", "parallelism": "sharded-kv"}}, "runtime.ranks"),
+    ({"runtime": {"backend": "triton", "parallelism": "sharded-kv"}, "topology": {"gpus": 2, "interconnect": "nvlink"}},
+     "runtime.parallelism"),
+    ({"profile": {"kv": "int4"}}, "profile.kv"),
+    ({"profile": {"attention": "block-sparse"}}, "profile.attention"),
+], ids=["cpu-ranks", "no-ranks", "gpu-ranks", "int4", "block-sparse"])
+def test_a_sharded_kv_cell_is_served_on_cpu_ranks_and_refuses_what_its_runner_lacks(edit, field):
+    got = unserved(api.parse_cell_spec({**SHARDED, **edit}))
+    assert [u.field for u in got] == ([field] if field else []), got
 
 
 @pytest.mark.parametrize("kv, refused", [(v.value, v is api.KVPrecision.int4) for v in api.KVPrecision],

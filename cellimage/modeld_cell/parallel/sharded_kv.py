@@ -8,13 +8,17 @@ masking by absolute position, and ``merge_across_ranks`` merges the ranks' parti
 rank. That is the prefill plan too: a chunk's rows see the earlier shards through the merge, with no K/V moved
 between ranks. The cost is one all-gather of [rows, Hq, D + 1] fp32 per layer.
 
-The block table a rank passes holds, per logical block of the session, its local block id where it owns the block
-and ``SCRATCH`` elsewhere.
+Block ids are global (parallel/pool.ShardedPool hands them out on rank 0): id ``g`` is local block ``g // world`` of
+rank ``g % world``, and the pool gives a session's block ``i`` an id of rank ``i % world``. Local block 0 of every
+rank (global ids 0 .. world - 1) is the scratch block, never handed out. Every method here takes global tables and
+translates them; the copy / read / write methods are this rank's part of a pool operation (parallel/ranks.py runs
+them on every rank).
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +39,11 @@ class RankLost(RuntimeError):
     into Fatal and marks itself not ready (engine._torch); the pod restarts the ranks together."""
 
 
+def global_id(local: int, rank: int, world: int) -> int:
+    """The global block id of ``rank``'s local block ``local``."""
+    return local * world + rank
+
+
 class ShardedKVRunner(TorchRunner):
     name = "sharded-kv"
 
@@ -45,17 +54,74 @@ class ShardedKVRunner(TorchRunner):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.decode_kernel = f"sharded-kv partial attention over {self.world} ranks + exact merge"
+        # time this rank spent in the merge's collective, per forward kind (the capability report's communication cost)
+        self.collective_s = {"prefill": 0.0, "decode": 0.0}
+        self.forwards = {"prefill": 0, "decode": 0}
 
     @property
     def chunking_invariant(self) -> bool:
         return False
 
-    def local_table(self, n_tokens: int, local_blocks: list[int]) -> list[int]:
-        """The table a rank passes: its blocks (``local_blocks``, in order) where it owns the logical block, else
-        SCRATCH; covers the blocks of n_tokens."""
-        owned = iter(local_blocks)
-        return [next(owned) if sharded.owner(i, self.world) == self.rank else SCRATCH
-                for i in range(self.kv.blocks_for(n_tokens))]
+    def choose_decode_kernel(self, mode: str) -> None:
+        """Decode always runs the partial attention + merge (``attend``); MODELD_DECODE_ATTENTION does not apply."""
+
+    def kernels(self) -> dict[str, str]:
+        return {"prefill": f"sharded-kv partial attention over {self.world} ranks + exact merge (torch)",
+                "decode": self.decode_kernel, "device": str(self.kv.device)}
+
+    # ---- global tables -> this rank's
+
+    def to_local(self, blocks: list[int]) -> list[int]:
+        """A session's global block table as this rank reads it: its local id where it owns the block, else SCRATCH."""
+        out = []
+        for i, g in enumerate(blocks):
+            r, local = g % self.world, g // self.world
+            if r != sharded.owner(i, self.world) or local == SCRATCH:
+                raise ValueError(f"block {i} of the session has id {g} (rank {r}, local {local}); the layout puts "
+                                 f"it on rank {sharded.owner(i, self.world)} and never in a scratch block")
+            out.append(local if r == self.rank else SCRATCH)
+        return out
+
+    def _owned(self, blocks: list[int], n: int) -> tuple[list[int], int]:
+        """(local ids of this rank's blocks among the first n tokens', in order; how many of those tokens it holds)."""
+        idx = sharded.local_block_indices(self.kv.blocks_for(n), self.rank, self.world)
+        return [blocks[i] // self.world for i in idx], sharded.local_tokens(n, self.kv.block_size, self.rank,
+                                                                             self.world)
+
+    def prefill(self, tokens: list[int], start: int, blocks: list[int],
+                sparse: dict | None = None) -> tuple[Tensor, float, list[dict]]:
+        self.forwards["prefill"] += 1
+        return super().prefill(tokens, start, self.to_local(blocks), sparse)
+
+    def decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> Tensor:
+        self.forwards["decode"] += 1
+        return super().decode(toks, positions, [self.to_local(t) for t in tables])
+
+    # ---- this rank's part of the pool's operations (global ids in, local work)
+
+    def copy_local(self, src: int, dst: int, n: int) -> None:
+        """Copy-on-write of a session's block: both ids live on the same rank (the same block index); that rank
+        copies, the others do nothing."""
+        if src % self.world != dst % self.world:
+            raise ValueError(f"copy of block {src} into {dst}: different ranks")
+        if src % self.world == self.rank:
+            self.kv.copy_block(src // self.world, dst // self.world, n)
+
+    def read_local(self, blocks: list[int], n: int) -> list[tuple[str, Tensor]]:
+        """This rank's tokens among a session's first n, as stored (payload names), on the CPU."""
+        local, m = self._owned(blocks, n)
+        return [(name, t.cpu()) for name, t in self.kv.read_payload(local, m)]
+
+    def write_local(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
+        """Inverse of read_local: this rank's part of a session's first n tokens (payload names) into its blocks."""
+        local, _ = self._owned(blocks, n)
+        if not local:
+            return
+        dev = self.kv.device
+        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
+        self.kv.write_tokens(local, payload["k"].to(dev), payload["v"].to(dev), scales)
+
+    # ---- attention
 
     def _shard(self, k_cache: Tensor, v_cache: Tensor, scales: tuple[Tensor, Tensor] | None, table: Tensor, n: int,
                dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -93,8 +159,10 @@ class ShardedKVRunner(TorchRunner):
             t = q.shape[0]
             k, v, kp = self._shard(k_cache, v_cache, scales, meta.block_tables[0], n, q.dtype)
             out, lse = sharded.partial_attention(q, k, v, torch.arange(n - t, n, device=q.device), kp, scale)
+        t0 = time.perf_counter()
         try:
             merged, _ = sharded.merge_across_ranks(out, lse, self.group)
         except RuntimeError as e:     # gloo / NCCL: peer gone, connection reset, or the group's timeout
             raise RankLost(f"rank {self.rank} of {self.world}: the sharded-KV merge failed: {e}") from e
+        self.collective_s["decode" if meta.kind == "decode" else "prefill"] += time.perf_counter() - t0
         return merged.to(q.dtype)
