@@ -35,6 +35,8 @@ class Unserved:
         return f"spec.{self.field} {self.value!r} is not served: {self.reason}"
 
 
+LOSSY_KV = (KVPrecision.int8.value, KVPrecision.fp8_e4m3.value, KVPrecision.int4.value)
+
 # Weight formats the worker computes from: dequantized at load to the compute dtype (bf16 / fp32), or used as is.
 SERVED_WEIGHTS = ("fp32", "bf16", "fp16", "q8_0", "q4_1", "q4_k_m")
 
@@ -43,14 +45,17 @@ REASONS = {
                      "(use topology.gpus 0 for a CPU cell, or runtime.backend triton for a GPU cell)",
     "topology.gpus.single": "a single-process triton cell computes on one GPU: the others would sit idle (use "
                             "topology.gpus 1; multi-rank shapes are not built yet)",
-    "runtime.parallelism": "tensor, pipeline and data parallel cells are not built yet (sharded-kv is served over CPU "
-                           "ranks)",
-    "runtime.parallelism.gpus": "sharded-kv is served over CPU ranks (topology.gpus 0, runtime.ranks N, gloo); its GPU "
-                                "ranks (NCCL, runtime.backend triton) are not built yet",
+    "runtime.parallelism": "pipeline and data parallel cells are not built yet (sharded-kv and tensor are served over "
+                           "CPU ranks)",
+    "runtime.parallelism.gpus": "sharded-kv and tensor parallel are served over CPU ranks (topology.gpus 0, "
+                                "runtime.ranks N, gloo); their GPU ranks (NCCL, runtime.backend triton) are not built "
+                                "yet",
     "runtime.ranks": "a CPU cell with a multi-rank parallelism states how many CPU ranks it runs: runtime.ranks of at "
                      "least 2",
     "profile.kv.sharded": "the sharded-KV runner reads fp32 / bf16 / fp16 / int8 / fp8 caches, not packed rotated int4",
-    "profile.attention.sharded": "block-sparse prefill is not built across KV shards: a sharded-kv cell prefills dense",
+    "profile.attention.sharded": "block-sparse prefill is not built across ranks: a multi-rank cell prefills dense",
+    "profile.kv.tensor": "a lossy KV format is served only where its quality smoke passes, and that smoke runs on one "
+                         "process holding the whole model, which a tensor-parallel rank does not: fp32, bf16 or fp16",
     "profile.weights": "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
                        f"from one of {', '.join(SERVED_WEIGHTS)}",
     "profile.kv": "the triton backend's prefill kernel reads int8 / fp8 caches, not packed rotated int4 (the torch "
@@ -69,9 +74,10 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("topology.gpus", "0", "the triton backend runs on GPUs: topology.gpus must be at least 1"))
     elif backend == Backend.triton.value and gpus > 1 and parallelism == Parallelism.single.value:
         out.append(Unserved("topology.gpus", str(gpus), REASONS["topology.gpus.single"]))
-    if parallelism == Parallelism.sharded_kv.value and gpus >= 1:
+    multi_served = (Parallelism.sharded_kv.value, Parallelism.tensor.value)
+    if parallelism in multi_served and gpus >= 1:
         out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism.gpus"]))
-    elif parallelism not in (Parallelism.single.value, Parallelism.sharded_kv.value):
+    elif parallelism not in (Parallelism.single.value, *multi_served):
         out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism"]))
     if parallelism != Parallelism.single.value and gpus == 0 and (spec.runtime.ranks or 1) < 2:   # the CEL rule too
         out.append(Unserved("runtime.ranks", str(spec.runtime.ranks), REASONS["runtime.ranks"]))
@@ -82,7 +88,9 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv"]))
     elif parallelism == Parallelism.sharded_kv.value and kv == KVPrecision.int4.value:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv.sharded"]))
-    if parallelism == Parallelism.sharded_kv.value and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
+    elif parallelism == Parallelism.tensor.value and kv in LOSSY_KV:
+        out.append(Unserved("profile.kv", kv, REASONS["profile.kv.tensor"]))
+    if parallelism in multi_served and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
         out.append(Unserved("profile.attention", "block-sparse", REASONS["profile.attention.sharded"]))
     return out
 
@@ -112,16 +120,17 @@ def not_served() -> list[str]:
                  if any(u.field == "profile.kv" for u in unserved(_probe("profile.kv", v.value, backend="triton")))]
     if triton_kv:
         out.append(f"profile.kv: {', '.join(triton_kv)} with runtime.backend triton")
-    sharded = {"runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
-    if any(u.field == "runtime.parallelism" for u in unserved(_probe(
-            "topology.gpus", 2, sections={"runtime": {"backend": "triton", "parallelism": "sharded-kv"},
-                                          "topology": {"gpus": 2, "interconnect": "nvlink"}}))):
-        out.append("runtime.parallelism: sharded-kv with topology.gpus >= 1")
-    for path, enum in (("profile.kv", KVPrecision), ("profile.attention", AttentionMode)):
-        refused = [v.value for v in enum
-                   if any(u.field == path for u in unserved(_probe(path, v.value, sections=sharded)))]
-        if refused:
-            out.append(f"{path}: {', '.join(refused)} with runtime.parallelism sharded-kv")
+    for shape in (Parallelism.sharded_kv.value, Parallelism.tensor.value):
+        cpu_ranks = {"runtime": {"backend": "torch", "parallelism": shape, "ranks": 2}}
+        if any(u.field == "runtime.parallelism" for u in unserved(_probe(
+                "topology.gpus", 2, sections={"runtime": {"backend": "triton", "parallelism": shape},
+                                              "topology": {"gpus": 2, "interconnect": "nvlink"}}))):
+            out.append(f"runtime.parallelism: {shape} with topology.gpus >= 1")
+        for path, enum in (("profile.kv", KVPrecision), ("profile.attention", AttentionMode)):
+            refused = [v.value for v in enum
+                       if any(u.field == path for u in unserved(_probe(path, v.value, sections=cpu_ranks)))]
+            if refused:
+                out.append(f"{path}: {', '.join(refused)} with runtime.parallelism {shape}")
     return out
 
 

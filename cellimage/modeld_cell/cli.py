@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,15 @@ def follow(spec: dict[str, Any], settings: Settings) -> int:
 
     log.info("follower rank: loading the model", extra={"fields": {"rank": os.environ.get("RANK"),
                                                                     "cell": settings.cell_name}})
-    load_follower(spec, settings.model_path, engine_settings(spec, settings))
+    try:
+        load_follower(spec, settings.model_path, engine_settings(spec, settings))
+    except ContractError as e:
+        # the spec is refused (rank 0 finds the same and answers it on every route): exiting would make the launcher
+        # stop rank 0 and the pod restart into the same refusal, so this rank waits for the pod's SIGTERM instead
+        log.error("the cell spec is refused: %s", e.message, extra={"fields": {"kind": e.kind}})
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        stop.wait()
     return 0
 
 

@@ -151,7 +151,6 @@ def load_follower(spec: CellSpec | Mapping[str, Any], model_path: str | None, se
     """A follower rank of a multi-rank cell (rank > 0): load the same weights and its own KV pool, join the group,
     then run what rank 0 sends until it says stop (parallel/ranks.follow)."""
     from .parallel import ranks
-    from .parallel.sharded_kv import ShardedKVRunner
 
     cfg = CellConfig.from_spec(spec)
     resolve_device(cfg, None)
@@ -159,7 +158,8 @@ def load_follower(spec: CellSpec | Mapping[str, Any], model_path: str | None, se
     torch.set_num_threads(settings.threads)
     rk = ranks.join(cfg.ranks, cfg.device, settings.collective_timeout_s)
     _, model, _, _, _ = _load_model(cfg, model_path, layers)
-    ranks.follow(ShardedKVRunner(model, _rank_pool(cfg, model)), rk)
+    runner, _ = ranks.rank_runner(cfg, model, rk)
+    ranks.follow(runner, rk)
 
 
 def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_path: str | None,
@@ -172,22 +172,22 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
     settings = settings or EngineSettings.from_env()
     torch.set_num_threads(settings.threads)
     rk = None
-    if cfg.parallelism != "single":                  # served: sharded-kv (modeld_api.served)
+    if cfg.parallelism != "single":                  # served: sharded-kv, tensor (modeld_api.served)
         from .parallel import ranks
         rk = ranks.join(cfg.ranks, cfg.device, settings.collective_timeout_s)
         if rk.rank != 0:
             raise errors.Fatal(f"rank {rk.rank} builds no engine: it follows rank 0 (loader.load_follower)")
     ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers)
-    kv: PagedKVCache = _rank_pool(cfg, model)
     runner = None
     backend = f"{cfg.backend}-{torch.device(cfg.device).type}"
-    if rk is not None:
-        from .parallel.pool import ShardedPool
-        from .parallel.ranks import DrivingRunner
-        runner = DrivingRunner(model, kv, rk)
-        kv = ShardedPool(kv, rk.world, runner)
-        # the merge's order of sums is part of every K/V bit past the first layer: the shape is in the identity
-        backend += f" sharded-kv x{rk.world}"
+    if rk is None:
+        kv: PagedKVCache = _rank_pool(cfg, model)
+    else:
+        from .parallel.ranks import rank_runner
+        probe_model(model)          # on the whole model, before tensor parallel cuts it (Engine reuses the verdict)
+        runner, kv = rank_runner(cfg, model, rk)
+        # the cross-rank sums' order is part of every K/V bit past the first layer: the shape is in the identity
+        backend += f" {cfg.parallelism} x{rk.world}"
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,
         "model_format": ckpt.format, "model_digest": digest, "source_sha256": source_sha,

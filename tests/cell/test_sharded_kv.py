@@ -44,17 +44,19 @@ def _torchrun(world: int, script: str, *args: str, timeout: int = 600) -> subpro
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("world, kv, steps", [(2, "fp32", 256), (3, "int8", 32)], ids=["2-ranks-fp32", "3-ranks-int8"])
-def test_a_sharded_kv_engine_serves_the_contract_exactly_as_one_rank(smollm2_path, tmp_path, world, kv, steps):
-    """The engine as the worker builds it (rank 0 drives a ShardedPool, the others follow): a prompt across page and
-    shard boundaries, greedy decode, a suffix after the cached past, a branch through the prefix cache with a
-    copy-on-write block decoded in one batch with its parent, and a snapshot restored into a new session, all
-    against a single-rank engine of the same weights."""
+@pytest.mark.parametrize("shape, world, kv, steps", [("sharded-kv", 2, "fp32", 256), ("sharded-kv", 3, "int8", 32),
+                                                    ("tensor", 3, "fp32", 256)],
+                         ids=["sharded-kv-2-ranks-fp32", "sharded-kv-3-ranks-int8", "tensor-3-ranks-fp32"])
+def test_a_multi_rank_engine_serves_the_contract_exactly_as_one_rank(smollm2_path, tmp_path, shape, world, kv, steps):
+    """The engine as the worker builds it (rank 0 drives the pool of every rank's blocks, the others follow): a
+    prompt across page and shard boundaries, greedy decode, a suffix after the cached past, a branch through the
+    prefix cache with a copy-on-write block decoded in one batch with its parent, and a snapshot restored into a new
+    session, all against a single-rank engine of the same weights."""
     out = tmp_path / "result.json"
-    r = _torchrun(world, "sharded_engine_rank.py", smollm2_path, kv, str(steps), str(out))
+    r = _torchrun(world, "sharded_engine_rank.py", smollm2_path, shape, kv, str(steps), str(out))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     res = json.loads(out.read_text())
-    assert res["world"] == world and res["runner"] == "sharded-kv"
+    assert res["world"] == world and res["runner"] == shape
     assert res["tokens"] == res["reference_tokens"], res
     assert len(res["tokens"]["decode"]) == steps
     errs = res["max_abs_logits"]
@@ -65,11 +67,15 @@ def test_a_sharded_kv_engine_serves_the_contract_exactly_as_one_rank(smollm2_pat
     assert res["branch_reuse"] == res["reference_branch_reuse"]
     assert res["branch_reuse"]["source"] == "prefix-cache" and res["branch_reuse"]["blocks_copied"] == 1
     assert res["branch_reuse"]["tokens_reused"] == 45
-    # the report: the ranks' KV together, per rank, the layout; a sharded snapshot is not a single-rank one
+    # the report: the shape, the ranks' KV together; a multi-rank snapshot is not a single-rank one
     par = res["parallel"]
-    assert par["shape"] == "sharded-kv" and par["ranks"] == world and par["layout"].startswith("round-robin")
-    assert par["max_tokens_total"] == world * par["max_tokens_per_rank"]
+    assert par["shape"] == shape and par["ranks"] == world
     assert res["kv_report"]["max_tokens_in_budget"] == par["max_tokens_total"]
+    assert par["kv_budget_bytes_total"] == world * par["kv_budget_bytes_per_rank"]
+    if shape == "sharded-kv":
+        assert par["layout"].startswith("round-robin") and par["max_tokens_total"] == world * par["max_tokens_per_rank"]
+    else:                                           # 3 KV heads over 3 ranks: one each, every block on every rank
+        assert par["kv_heads_per_rank"] == 1
     assert par["forwards"]["decode"] > 0 and par["collective_ms_per_forward"]["decode"] is not None
     assert res["foreign_snapshot"].startswith("bad_request") and "backend" in res["foreign_snapshot"], res
 
@@ -103,30 +109,66 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return out
 
 
-def test_the_worker_under_torchs_launcher_serves_from_rank_0_and_goes_down_with_a_lost_rank(smollm2_path, tmp_path):
-    """The pod's command for a multi-rank cell (placement.worker_command) on this machine: rank 0 answers HTTP with
-    the ranks' capability and a real exchange; when a follower is killed, the launcher stops rank 0 and exits
-    non-zero (the container then restarts all ranks together), well within the collective timeout."""
+def _launch(tmp_path, smollm2_path, runtime: dict) -> tuple[subprocess.Popen, str, pathlib.Path]:
+    """The pod's command for a multi-rank cell (placement.worker_command) on a free local port."""
     import yaml
 
-    from tests.cell.test_server_entrypoint import _free_port, _http, _wait_for
+    from tests.cell.test_server_entrypoint import _free_port
     from tests.unit.test_cli import CELL
 
-    spec = {**CELL["spec"], "runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
     cell = tmp_path / "cell.yaml"
-    cell.write_text(yaml.safe_dump({**CELL, "spec": spec}))
+    cell.write_text(yaml.safe_dump({**CELL, "spec": {**CELL["spec"], "runtime": runtime}}))
     port = _free_port()
     log = tmp_path / "worker.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "cellimage"), str(ROOT / "api")]),
            "MODELD_CACHE_DIR": str(tmp_path / "cache"), "MODELD_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1",
            "MODELD_COLLECTIVE_TIMEOUT_S": "30"}
     env.pop("MODELD_THREADS", None)
+    ranks = runtime["ranks"]
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                 "--max-restarts=0", "-m", "modeld_cell", "serve", "--cell", str(cell),
-                                 "--host", "127.0.0.1", "--port", str(port), "--model", smollm2_path],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 f"--nproc-per-node={ranks}", "--max-restarts=0", "-m", "modeld_cell", "serve",
+                                 "--cell", str(cell), "--host", "127.0.0.1", "--port", str(port),
+                                 "--model", smollm2_path], env=env, stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def test_a_spec_the_ranks_refuse_keeps_every_rank_up_and_says_why(smollm2_path, tmp_path):
+    """Tensor parallel over 2 ranks cannot split SmolLM2's 3 KV heads: rank 0 answers the refusal naming
+    runtime.ranks on /readyz (which the operator copies into the Cell's status), and no rank exits, so the launcher
+    does not restart the pod into the same refusal; SIGTERM still stops them all."""
+    import time
+
+    from tests.cell.test_server_entrypoint import START_S, _http, _wait_for
+
+    proc, base, log = _launch(tmp_path, smollm2_path, {"backend": "torch", "parallelism": "tensor", "ranks": 2})
+    try:
+        _wait_for(base + "/healthz", proc, log)
+        end = time.monotonic() + START_S
+        while (got := _http("GET", base + "/readyz"))[0] == 503:       # not_ready while the model loads
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-4000:]
+            time.sleep(0.2)
+        err = got[1]["error"]
+        assert err["kind"] == "unsupported" and err["details"]["field"] == "runtime.ranks", got
+        assert err["details"]["refused"] is True and "GQA" in err["message"], got
+        assert "the cell spec is refused" in log.read_text()
+        time.sleep(3)
+        assert proc.poll() is None and sorted(_rank_pids(proc.pid)) == [0, 1], log.read_text()[-3000:]
+        proc.send_signal(15)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_the_worker_under_torchs_launcher_serves_from_rank_0_and_goes_down_with_a_lost_rank(smollm2_path, tmp_path):
+    """The pod's command for a multi-rank cell (placement.worker_command) on this machine: rank 0 answers HTTP with
+    the ranks' capability and a real exchange; when a follower is killed, the launcher stops rank 0 and exits
+    non-zero (the container then restarts all ranks together), well within the collective timeout."""
+    from tests.cell.test_server_entrypoint import _http, _wait_for
+
+    proc, base, log = _launch(tmp_path, smollm2_path, {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2})
     try:
         assert _wait_for(base + "/readyz", proc, log) == {"ready": True}
         status, cap = _http("GET", base + "/v1/capability")

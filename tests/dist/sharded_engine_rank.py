@@ -1,10 +1,10 @@
-"""One rank of the sharded-KV engine check (tests/cell/test_sharded_kv.py starts it):
+"""One rank of the multi-rank engine check (tests/cell/test_sharded_kv.py starts it):
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/dist/sharded_engine_rank.py GGUF KV STEPS OUT
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/dist/sharded_engine_rank.py GGUF SHAPE KV STEPS OUT
 
-The whole session contract on a sharded-KV cell of N CPU ranks (the first LAYERS layers of SmolLM2, KV precision KV),
-built the way the worker builds it: rank 0 ``Engine.from_cell`` (the engine over a ShardedPool, driving), the others
-``loader.load_follower``. Rank 0 runs the same script on a single-rank engine of the same weights and writes both
+The whole session contract on a cell of N CPU ranks of runtime.parallelism SHAPE (sharded-kv or tensor; the first
+LAYERS layers of SmolLM2, KV precision KV), built the way the worker builds it: rank 0 ``Engine.from_cell`` (the
+engine over the pool of every rank's blocks, driving), the others ``loader.load_follower``. Rank 0 runs the same script on a single-rank engine of the same weights and writes both
 sides' greedy tokens and next-token logits at each checkpoint:
 
     a prompt across page and shard boundaries; STEPS greedy tokens; a suffix after that cached past; a branch (a
@@ -28,8 +28,8 @@ from modeld_cell.models.fetch import SMOLLM2_REF
 LAYERS = 2
 
 
-def spec(kv: str, ranks: int) -> dict:
-    runtime = {"backend": "torch", "parallelism": "sharded-kv", "ranks": ranks} if ranks > 1 else {"backend": "torch"}
+def spec(kv: str, ranks: int, shape: str = "single") -> dict:
+    runtime = {"backend": "torch", "parallelism": shape, "ranks": ranks} if ranks > 1 else {"backend": "torch"}
     return {"runtime": runtime, "topology": {"gpus": 0, "interconnect": "none"},
             "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
             "profile": {"weights": "fp32", "kv": kv, "attention": "dense", "prefixReuse": True},
@@ -77,20 +77,20 @@ def diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
 
 
 def main() -> None:
-    path, kv, steps, out_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    path, shape, kv, steps, out_path = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     world = int(os.environ["WORLD_SIZE"])
     st = EngineSettings(threads=1, collective_timeout_s=120)
     if int(os.environ["RANK"]) != 0:
-        load_follower(spec(kv, world), path, st, layers=LAYERS)          # returns when rank 0 says stop
+        load_follower(spec(kv, world, shape), path, st, layers=LAYERS)          # returns when rank 0 says stop
         return
-    eng = Engine.from_cell(spec(kv, world), model_path=path, settings=st, layers=LAYERS, gate=False)
+    eng = Engine.from_cell(spec(kv, world, shape), model_path=path, settings=st, layers=LAYERS, gate=False)
     ref = Engine.from_cell(spec(kv, 1), model_path=path, settings=EngineSettings(threads=1), layers=LAYERS,
                            gate=False)
     try:
         got = asyncio.run(script(eng, steps, out_path + ".sharded.snap"))
         want = asyncio.run(script(ref, steps, out_path + ".ref.snap"))
         cap = eng.capability()
-        # a snapshot of the sharded session is refused by the single-rank engine (the merge's order is in the identity)
+        # a snapshot of the multi-rank session is refused by the single-rank engine (the merge's order is in the identity)
         try:
             asyncio.run(ref.restore("x", out_path + ".sharded.snap"))
             foreign = "accepted"
@@ -99,7 +99,7 @@ def main() -> None:
     finally:
         eng.shutdown()               # stops the followers
         ref.shutdown()
-    res = {"world": world, "kv": kv, "tokens": got["tokens"], "reference_tokens": want["tokens"],
+    res = {"world": world, "shape": shape, "kv": kv, "tokens": got["tokens"], "reference_tokens": want["tokens"],
            "branch_reuse": got["branch_reuse"], "reference_branch_reuse": want["branch_reuse"],
            "session_tokens": got["session_tokens"], "foreign_snapshot": foreign,
            "max_abs_logits": {k: diff(got["logits"][k], want["logits"][k]) for k in got["logits"]},

@@ -45,3 +45,27 @@ def test_sharded_decode_across_gloo_ranks_equals_one_rank(tmp_path, world):
     assert res["max_abs_out"] <= MAX_ABS and res["max_abs_lse"] <= MAX_ABS, res
     # the one-token sequence leaves every rank but 0 with an empty shard: merged safely (no NaN above)
     assert res["local_lens_rank0"][0] == 1
+
+
+@pytest.mark.parametrize("case", ["prefill-after-past", "rows-that-see-nothing", "decode", "empty-shard"])
+def test_the_cpu_flash_partial_attention_equals_the_reference(case):
+    """partial_attention_flash (torch's CPU flash kernel, which returns the LSE) against the plain-torch reference,
+    fp32: the same out and natural-log LSE where a row sees keys of the shard, 0 and -inf where it sees none."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d = 9, 3, 64
+    shard = torch.cat([torch.arange(16, 32), torch.arange(48, 64), torch.arange(80, 90)])     # a rank's blocks
+    q_pos = {"prefill-after-past": torch.arange(60, 97), "rows-that-see-nothing": torch.arange(0, 37),
+             "decode": torch.tensor([89]), "empty-shard": torch.arange(0, 5)}[case]
+    k_pos = shard[:0] if case == "empty-shard" else shard
+    q = torch.randn(len(q_pos), hq, d, generator=g)
+    k, v = torch.randn(len(k_pos), hkv, d, generator=g), torch.randn(len(k_pos), hkv, d, generator=g)
+    want_out, want_lse = sharded.partial_attention(q, k, v, q_pos, k_pos, d ** -0.5)
+    out, lse = sharded.partial_attention_flash(q, k, v, q_pos, k_pos, d ** -0.5)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape and lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    assert float((out - want_out).abs().max()) <= MAX_ABS
+    if fin.any():
+        assert float((lse[fin] - want_lse[fin]).abs().max()) <= MAX_ABS

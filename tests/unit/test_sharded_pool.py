@@ -1,7 +1,7 @@
 """Rank 0's pool of a sharded-KV cell (parallel/pool.py): every block of a session lands on the rank the round-robin
 layout names, the scratch blocks are never handed out, a short rank is an Overflow that takes nothing, eviction
 takes a cached block of the right rank, and the budget the engine checks is one every allocation can meet. The K/V
-payload of a session splits into the ranks' parts and back (parallel/ranks.py's snapshot read and write)."""
+payload of a session splits into the ranks' parts and back (the snapshot read and write across ranks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from modeld_cell import errors
 from modeld_cell.kernels.merge import sharded
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 from modeld_cell.parallel.pool import ShardedPool
-from modeld_cell.parallel.ranks import assemble, split
+from modeld_cell.parallel.sharded_kv import assemble, split
 
 pytestmark = pytest.mark.unit
 

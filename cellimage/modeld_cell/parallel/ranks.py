@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from modeld_cell import errors
-from modeld_cell.kernels.merge import sharded
+from modeld_cell.runner import TorchRunner
 
 from .sharded_kv import RankLost, ShardedKVRunner
+from .tensor import Collectives, TensorParallelRunner, shard_model
 
 IDLE_TIMEOUT = datetime.timedelta(days=30)      # the control group: followers wait on it while the cell is idle
 LAUNCH = "python -m torch.distributed.run --standalone --nproc-per-node {ranks} -m modeld_cell serve"
@@ -69,41 +70,24 @@ def join(ranks: int, device: str, timeout_s: int) -> Ranks:
     return Ranks(dist.get_rank(), world, backend, timeout_s, ctrl)
 
 
-def assemble(parts: list[list[tuple[str, Tensor]]], n: int, block_size: int) -> list[tuple[str, Tensor]]:
-    """The ranks' read_local parts (rank order) back into one payload in token order: [L, n, ...] per name."""
-    world = len(parts)
-    names = [name for name, _ in parts[0]]
-    out = []
-    for j, name in enumerate(names):
-        pieces, taken = [], [0] * world
-        for i in range(-(-n // block_size)):
-            r = sharded.owner(i, world)
-            m = min(block_size, n - i * block_size)
-            pieces.append(parts[r][j][1][:, taken[r] : taken[r] + m])
-            taken[r] += m
-        out.append((name, torch.cat(pieces, 1) if pieces else parts[0][j][1]))
-    return out
+class Driving(TorchRunner):
+    """Rank 0's side of a rank runner (mixed in before it: ``ShardedDriver``, ``TensorDriver``): each operation is
+    sent to the followers, then run here. The torch thread runs them all, one at a time, so every rank sees them in
+    the same order. The runner below supplies this rank's part (``copy_local``, ``read_local``, ``write_local``),
+    how the ranks' parts join (``assemble``, ``split``) and its section of the report (``shape_report``)."""
 
-
-def split(payload: dict[str, Tensor], n: int, block_size: int, world: int) -> list[dict[str, Tensor]]:
-    """Inverse of assemble: each rank's part of a payload in token order."""
-    out: list[dict[str, Tensor]] = []
-    for r in range(world):
-        idx = [i for i in sharded.local_block_indices(-(-n // block_size), r, world)]
-        rows = [t for i in idx for t in range(i * block_size, min(n, (i + 1) * block_size))]
-        sel = torch.tensor(rows, dtype=torch.long)
-        out.append({name: t.index_select(1, sel.to(t.device)).cpu() for name, t in payload.items()})
-    return out
-
-
-class DrivingRunner(ShardedKVRunner):
-    """Rank 0's runner: each operation is sent to the followers, then run here (the torch thread runs them all, one
-    at a time, so every rank sees them in the same order)."""
-
-    def __init__(self, model: Any, kv: Any, ranks: Ranks) -> None:
-        super().__init__(model, kv)
-        self.ranks = ranks
-        self.pool: Any = None          # the ShardedPool over every rank's blocks (it sets itself here)
+    ranks: Ranks
+    pool: Any = None                     # the RankPool over every rank's blocks (it sets itself here)
+    world: int
+    group: Any
+    forwards: dict[str, int]
+    collective_s: dict[str, float]
+    copy_local: Any
+    read_local: Any
+    write_local: Any
+    assemble: Any
+    split: Any
+    shape_report: Any
 
     def _send(self, *op: Any) -> None:
         try:
@@ -131,11 +115,11 @@ class DrivingRunner(ShardedKVRunner):
             dist.gather_object(self.read_local(blocks, n), parts, dst=0, group=self.group)
         except RuntimeError as e:
             raise RankLost(f"rank 0 of {self.world}: gathering the ranks' K/V failed: {e}") from e
-        return assemble(parts, n, self.kv.block_size)
+        return self.assemble(parts, n)
 
     def write(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
         self._send("write", blocks, n)
-        parts = split(payload, n, self.kv.block_size, self.world)
+        parts = self.split(payload, n)
         mine: list[Any] = [None]
         try:
             dist.scatter_object_list(mine, parts, src=0, group=self.group)
@@ -144,24 +128,54 @@ class DrivingRunner(ShardedKVRunner):
         self.write_local(blocks, n, mine[0])
 
     def report(self) -> dict[str, Any]:
-        """The capability report's "parallel": the shape, the ranks' KV together and per rank, the layout, and the
-        measured time in the merge's collective per forward (rank 0's view)."""
-        pool = self.pool
+        """The capability report's "parallel": the shape's own section, the ranks, the collective's timeout and the
+        measured time rank 0 spent in collectives per forward."""
         per_step = {k: (round(self.collective_s[k] / n * 1e3, 3) if (n := self.forwards[k]) else None)
                     for k in ("prefill", "decode")}
-        return {"shape": "sharded-kv", "ranks": self.world, "backend": self.ranks.backend,
-                "layout": pool.stats()["layout"], "weights": "replicated on every rank",
-                "kv_budget_bytes_per_rank": pool.local.budget_bytes, "kv_budget_bytes_total": pool.budget_bytes,
-                "max_tokens_per_rank": pool.per_rank_max_tokens, "max_tokens_total": pool.max_tokens,
-                "scratch_blocks_per_rank": 1,
-                "collective": f"all-gather of [rows, Hq, D + 1] fp32 per layer ({self.model.args.n_layers} layers)",
-                "collective_timeout_s": self.ranks.timeout_s,
-                "collective_ms_per_forward": per_step,
+        return {"ranks": self.world, "backend": self.ranks.backend, **self.shape_report(self.pool),
+                "collective_timeout_s": self.ranks.timeout_s, "collective_ms_per_forward": per_step,
                 "forwards": dict(self.forwards)}
 
     def stop(self) -> None:
         """Tell the followers to return from ``follow`` (a clean shutdown; a lost rank is the launcher's)."""
         self._send("stop")
+
+
+class ShardedDriver(Driving, ShardedKVRunner):
+    def __init__(self, model: Any, kv: Any, ranks: Ranks) -> None:
+        ShardedKVRunner.__init__(self, model, kv)
+        self.ranks = ranks
+
+
+class TensorDriver(Driving, TensorParallelRunner):
+    def __init__(self, model: Any, kv: Any, ranks: Ranks, heads: tuple[range, range], clock: Collectives) -> None:
+        TensorParallelRunner.__init__(self, model, kv, heads=heads, clock=clock)
+        self.ranks = ranks
+
+
+def rank_runner(cfg: Any, model: Any, rk: Ranks) -> tuple[Any, Any]:
+    """This rank's runner and, on rank 0, the engine's pool over every rank's blocks (else None). Tensor parallel
+    cuts the model down to this rank's heads first (parallel/tensor.shard_model)."""
+    from modeld_cell.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_format
+
+    from .pool import MirroredPool, ShardedPool
+
+    a = model.args
+    heads = None
+    clock = Collectives()
+    if cfg.parallelism == "tensor":
+        heads = shard_model(model, rk.rank, rk.world, None, clock)
+    local = PagedKVCache(a.n_layers, len(heads[1]) if heads else a.n_kv_heads, a.head_dim, kv_format(cfg.kv),
+                         cfg.kv_memory_mib << 20, DEFAULT_BLOCK_SIZE, device=cfg.device)
+    if rk.rank != 0:
+        if heads is not None:
+            return TensorParallelRunner(model, local, heads=heads, clock=clock), None
+        return ShardedKVRunner(model, local), None
+    if heads is not None:
+        runner: Any = TensorDriver(model, local, rk, heads, clock)
+        return runner, MirroredPool(local, rk.world, runner, a.n_kv_heads)
+    runner = ShardedDriver(model, local, rk)
+    return runner, ShardedPool(local, rk.world, runner)
 
 
 def follow(runner: ShardedKVRunner, ranks: Ranks) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,33 @@ class RankLost(RuntimeError):
 def global_id(local: int, rank: int, world: int) -> int:
     """The global block id of ``rank``'s local block ``local``."""
     return local * world + rank
+
+
+def assemble(parts: list[list[tuple[str, Tensor]]], n: int, block_size: int) -> list[tuple[str, Tensor]]:
+    """The ranks' read_local parts (rank order) back into one payload in token order: [L, n, ...] per name."""
+    world = len(parts)
+    names = [name for name, _ in parts[0]]
+    out = []
+    for j, name in enumerate(names):
+        pieces, taken = [], [0] * world
+        for i in range(-(-n // block_size)):
+            r = sharded.owner(i, world)
+            m = min(block_size, n - i * block_size)
+            pieces.append(parts[r][j][1][:, taken[r] : taken[r] + m])
+            taken[r] += m
+        out.append((name, torch.cat(pieces, 1) if pieces else parts[0][j][1]))
+    return out
+
+
+def split(payload: dict[str, Tensor], n: int, block_size: int, world: int) -> list[dict[str, Tensor]]:
+    """Inverse of assemble: each rank's part of a payload in token order."""
+    out: list[dict[str, Tensor]] = []
+    for r in range(world):
+        idx = [i for i in sharded.local_block_indices(-(-n // block_size), r, world)]
+        rows = [t for i in idx for t in range(i * block_size, min(n, (i + 1) * block_size))]
+        sel = torch.tensor(rows, dtype=torch.long)
+        out.append({name: t.index_select(1, sel.to(t.device)).cpu() for name, t in payload.items()})
+    return out
 
 
 class ShardedKVRunner(TorchRunner):
@@ -121,6 +149,19 @@ class ShardedKVRunner(TorchRunner):
         scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
         self.kv.write_tokens(local, payload["k"].to(dev), payload["v"].to(dev), scales)
 
+    def assemble(self, parts: list[list[tuple[str, Tensor]]], n: int) -> list[tuple[str, Tensor]]:
+        return assemble(parts, n, self.kv.block_size)
+
+    def split(self, payload: dict[str, Tensor], n: int) -> list[dict[str, Tensor]]:
+        return split(payload, n, self.kv.block_size, self.world)
+
+    def shape_report(self, pool: Any) -> dict[str, Any]:
+        return {"shape": "sharded-kv", "layout": pool.stats()["layout"], "weights": "replicated on every rank",
+                "kv_budget_bytes_per_rank": pool.local.budget_bytes, "kv_budget_bytes_total": pool.budget_bytes,
+                "max_tokens_per_rank": pool.per_rank_max_tokens, "max_tokens_total": pool.max_tokens,
+                "scratch_blocks_per_rank": 1,
+                "collective": f"all-gather of [rows, Hq, D + 1] fp32 per layer ({self.model.args.n_layers} layers)"}
+
     # ---- attention
 
     def _shard(self, k_cache: Tensor, v_cache: Tensor, scales: tuple[Tensor, Tensor] | None, table: Tensor, n: int,
@@ -145,12 +186,13 @@ class ShardedKVRunner(TorchRunner):
     def attend(self, q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata,
                scales: tuple[Tensor, Tensor] | None) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
+        # CPU: torch's flash kernel with its LSE; elsewhere the plain-torch reference (fp32)
+        partial = sharded.partial_attention_flash if q.device.type == "cpu" else sharded.partial_attention
         outs, lses = [], []
         if meta.kind == "decode":
             for b, n in enumerate(meta.seq_lens_list):
                 k, v, kp = self._shard(k_cache, v_cache, scales, meta.block_tables[b], n, q.dtype)
-                o, lse = sharded.partial_attention(q[b : b + 1], k, v, torch.tensor([n - 1], device=q.device), kp,
-                                                   scale)
+                o, lse = partial(q[b : b + 1], k, v, torch.tensor([n - 1], device=q.device), kp, scale)
                 outs.append(o)
                 lses.append(lse)
             out, lse = torch.cat(outs), torch.cat(lses)
@@ -158,7 +200,7 @@ class ShardedKVRunner(TorchRunner):
             n = meta.seq_lens_list[0]
             t = q.shape[0]
             k, v, kp = self._shard(k_cache, v_cache, scales, meta.block_tables[0], n, q.dtype)
-            out, lse = sharded.partial_attention(q, k, v, torch.arange(n - t, n, device=q.device), kp, scale)
+            out, lse = partial(q, k, v, torch.arange(n - t, n, device=q.device), kp, scale)
         t0 = time.perf_counter()
         try:
             merged, _ = sharded.merge_across_ranks(out, lse, self.group)

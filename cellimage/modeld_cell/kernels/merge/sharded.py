@@ -61,6 +61,30 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     return out, lse.t().contiguous()
 
 
+def partial_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                            k_pos: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """partial_attention through torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
+    which returns the natural-log LSE beside the output), in q's dtype, with causality by absolute position as an
+    additive mask. Same shapes and meaning as partial_attention: out [T, Hq, D] in q's dtype (0 where a row sees no
+    key of the shard), lse [T, Hq] fp32 (-inf there; the kernel itself reports 0 for such rows). CPU tensors only."""
+    T, Hq, D = q.shape
+    if k.shape[0] == 0:
+        return q.new_zeros(T, Hq, D), q.new_full((T, Hq), float("-inf"), dtype=torch.float32)
+    G = Hq // k.shape[1]
+    visible = k_pos[None, :] <= q_pos[:, None]                                           # [T, n]
+    mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+    kk = k.to(q.dtype).repeat_interleave(G, 1).transpose(0, 1).unsqueeze(0)             # [1, Hq, n, D]
+    vv = v.to(q.dtype).repeat_interleave(G, 1).transpose(0, 1).unsqueeze(0)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1).unsqueeze(0), kk, vv, 0.0, False, attn_mask=mask[None, None], scale=sm_scale)
+    out, lse = out[0].transpose(0, 1), lse[0].transpose(0, 1).float()                  # [T, Hq, D], [T, Hq]
+    blind = ~visible.any(1)
+    if bool(blind.any()):
+        out = out.masked_fill(blind[:, None, None], 0.0)
+        lse = lse.masked_fill(blind[:, None], float("-inf"))
+    return out, lse
+
+
 def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor,
                        group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather this rank's partial state and merge all of them exactly.
