@@ -241,3 +241,28 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
         listed = json.loads(resp.read())
     assert sid not in json.dumps(listed), "unbinding closes the session on the worker"
     wait_until("the cell's session count drops", lambda: status_of(cluster, namespace, "cell", "cpu").get("sessions") == 0, timeout=30)
+
+
+def test_a_sharded_kv_cell_runs_its_cpu_ranks_and_serves_from_rank_0(cluster, operator, namespace):
+    """A multi-rank Cell in the local cluster: the pod's command is torch's launcher with one process per rank (the
+    local pod runner runs it as local processes), rank 0 serves on the pod IP, and the capability report gives the
+    ranks' KV together and per rank."""
+    obj = cpu_cell("sharded", 2048)
+    obj["spec"]["runtime"] = {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}
+    obj["spec"]["kvMemoryMiB"] = 32
+    cluster.apply(obj, namespace)
+    wait_until("the sharded-KV cell Ready (rank 0 of 2 on its pod IP)",
+               lambda: status_of(cluster, namespace, "cell", "sharded").get("phase") == "Ready", timeout=300)
+    (pod,) = pods_of(cluster, namespace, "sharded")
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:3] == ["python", "-m", "torch.distributed.run"] and "--nproc-per-node=2" in command
+    url = status_of(cluster, namespace, "cell", "sharded")["endpoints"][0]["url"]
+    with urllib.request.urlopen(f"{url}/v1/capability", timeout=30) as resp:
+        cap = json.loads(resp.read())
+    par = cap["parallel"]
+    assert par["shape"] == "sharded-kv" and par["ranks"] == 2 and par["backend"] == "gloo", par
+    assert par["max_tokens_total"] == 2 * par["max_tokens_per_rank"]
+    post(f"{url}/v1/sessions/s/prefix", {"text": "The capital of France is"})
+    out = post(f"{url}/v1/sessions/s/decode", {"max_tokens": 4})
+    assert out["trace"]["completion_tokens"] >= 1
+    cluster.kubectl("delete", "cell", "sharded", "-n", namespace, "--timeout=60s")
