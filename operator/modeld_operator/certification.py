@@ -25,9 +25,11 @@ DEFAULT_TIERS = (1024, 4096, 8192, 32768, 131072)
 
 
 def topology_of(spec: api.CellSpec, node_labels: dict[str, str]) -> str:
-    """The topology a measurement stands for: GPU count, product and interconnect, or the CPU."""
+    """The topology a measurement stands for: GPU count, product and interconnect, or the CPU (with its ranks when the
+    cell runs several: CPU ranks over gloo are a topology of their own)."""
     if spec.topology.gpus == 0:
-        return "cpu"
+        ranks = spec.runtime.ranks or 1
+        return "cpu" if ranks == 1 or api.enum_value(spec.runtime.parallelism) == "single" else f"cpu x{ranks} ranks"
     product = node_labels.get(api.LABEL_GPU_PRODUCT, "unknown-gpu")
     return f"{spec.topology.gpus}x {product} {spec.topology.interconnect}"
 

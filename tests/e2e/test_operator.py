@@ -243,16 +243,21 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
     wait_until("the cell's session count drops", lambda: status_of(cluster, namespace, "cell", "cpu").get("sessions") == 0, timeout=30)
 
 
-def test_a_sharded_kv_cell_runs_its_cpu_ranks_and_serves_from_rank_0(cluster, operator, namespace):
+def test_a_sharded_kv_cell_runs_its_cpu_ranks_serves_from_rank_0_and_is_certified_per_topology(
+        cluster, operator, namespace):
     """A multi-rank Cell in the local cluster: the pod's command is torch's launcher with one process per rank (the
     local pod runner runs it as local processes), rank 0 serves on the pod IP, and the capability report gives the
-    ranks' KV together and per rank."""
-    obj = cpu_cell("sharded", 2048)
+    ranks' KV together and per rank. It is certified against a single-rank cell with the same KV memory per rank
+    (the context gate: 1,024 tokens fit 2 ranks' 32 MiB, not one's), under its own topology, "cpu x2 ranks"."""
+    cluster.apply({**cpu_cell("solo", 1024), "spec": {**cpu_cell("solo", 1024)["spec"], "kvMemoryMiB": 32}}, namespace)
+    obj = cpu_cell("sharded", 1024, baseline="solo")
+    obj["metadata"]["annotations"] = {**obj["metadata"]["annotations"], "modeld.contenox.io/certify-tiers": "512,1024"}
     obj["spec"]["runtime"] = {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}
     obj["spec"]["kvMemoryMiB"] = 32
     cluster.apply(obj, namespace)
     wait_until("the sharded-KV cell Ready (rank 0 of 2 on its pod IP)",
-               lambda: status_of(cluster, namespace, "cell", "sharded").get("phase") == "Ready", timeout=300)
+               lambda: status_of(cluster, namespace, "cell", "sharded").get("phase") in ("Ready", "Certified"),
+               timeout=300)
     (pod,) = pods_of(cluster, namespace, "sharded")
     command = pod["spec"]["containers"][0]["command"]
     assert command[:3] == ["python", "-m", "torch.distributed.run"] and "--nproc-per-node=2" in command
@@ -261,8 +266,24 @@ def test_a_sharded_kv_cell_runs_its_cpu_ranks_and_serves_from_rank_0(cluster, op
         cap = json.loads(resp.read())
     par = cap["parallel"]
     assert par["shape"] == "sharded-kv" and par["ranks"] == 2 and par["backend"] == "gloo", par
-    assert par["max_tokens_total"] == 2 * par["max_tokens_per_rank"]
+    assert par["max_tokens_total"] == 2 * par["max_tokens_per_rank"] and par["max_tokens_total"] > 1024
     post(f"{url}/v1/sessions/s/prefix", {"text": "The capital of France is"})
     out = post(f"{url}/v1/sessions/s/decode", {"max_tokens": 4})
     assert out["trace"]["completion_tokens"] >= 1
-    cluster.kubectl("delete", "cell", "sharded", "-n", namespace, "--timeout=60s")
+
+    def verdict():
+        st = status_of(cluster, namespace, "cell", "sharded")
+        cond = condition(st, "Certified")
+        return cond.get("status") in ("True", "False") and cond.get("reason") != "Certifying" and st
+
+    st = wait_until("the sharded cell's certification", verdict, timeout=600, interval=2)
+    cond, cert = condition(st, "Certified"), st["certification"]
+    # the verdict is a measurement of this machine: the condition follows from what the Job measured (quality and
+    # the passkey at 1024, a tier the single-rank baseline cannot hold), not which way it went
+    passed = cert["summary"]["quality"] == "pass" and 1024 in cert["summary"].get("passkeyTiers", [])
+    assert (cond["status"] == "True") == cert["certified"] == passed, (cond, cert)
+    if passed:
+        assert cert["gate"] == "context", cert
+    assert cert["topology"] == "cpu x2 ranks" and cert["summary"]["baseline"] == "solo", cert
+    for name in ("sharded", "solo"):
+        cluster.kubectl("delete", "cell", name, "-n", namespace, "--timeout=60s")

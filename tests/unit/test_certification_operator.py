@@ -44,6 +44,9 @@ def test_topology_string():
     gpu = spec(runtime={"backend": "triton"}, topology={"gpus": 4, "interconnect": "pcie"})
     assert certification.topology_of(gpu, {api.LABEL_GPU_PRODUCT: "NVIDIA-L40S"}) == "4x NVIDIA-L40S pcie"
     assert certification.topology_of(spec(), {}) == "cpu"
+    ranks = api.CellSpec.model_validate({**spec().model_dump(mode="json", exclude_none=True),
+                                         "runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}})
+    assert certification.topology_of(ranks, {}) == "cpu x2 ranks"
 
 
 def test_tiers():

@@ -85,7 +85,8 @@ def topology_string(spec: dict[str, Any] | None, cap: dict[str, Any]) -> str:
     if gpus is None:
         return str(cap.get("runtime", {}).get("device", "unknown"))
     if gpus == 0:
-        return "cpu"
+        ranks = ((spec or {}).get("runtime") or {}).get("ranks") or 1
+        return "cpu" if ranks == 1 else f"cpu x{ranks} ranks"
     products = topo.get("products") or []
     return f"{gpus}x {products[0] if products else 'gpu'} {topo.get('interconnect', 'unknown')}"
 
