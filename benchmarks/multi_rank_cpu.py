@@ -1,5 +1,5 @@
-"""A multi-rank cell (--shape sharded-kv or tensor) vs one rank at the same per-rank KV budget, on this CPU, through
-the Engine the worker serves.
+"""A multi-rank cell (--shape sharded-kv, tensor or pipeline) vs one rank at the same per-rank KV budget, on this
+CPU, through the Engine the worker serves.
 
 Two runs of the real SmolLM2-135M-Instruct (weights and KV as --weights / --kv), each a fresh process tree:
   * one rank: ``Engine.from_cell`` of a single-rank CPU cell with --kv-mib MiB of KV, MODELD_THREADS = all cores;
@@ -111,7 +111,7 @@ def run_here(a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="sharded-kv", choices=["sharded-kv", "tensor"])
+    ap.add_argument("--shape", default="sharded-kv", choices=["sharded-kv", "tensor", "pipeline"])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--weights", default="q4_1")
     ap.add_argument("--kv", default="bf16")

@@ -45,17 +45,18 @@ REASONS = {
                      "(use topology.gpus 0 for a CPU cell, or runtime.backend triton for a GPU cell)",
     "topology.gpus.single": "a single-process triton cell computes on one GPU: the others would sit idle (use "
                             "topology.gpus 1; multi-rank shapes are not built yet)",
-    "runtime.parallelism": "pipeline and data parallel cells are not built yet (sharded-kv and tensor are served over "
-                           "CPU ranks)",
-    "runtime.parallelism.gpus": "sharded-kv and tensor parallel are served over CPU ranks (topology.gpus 0, "
+    "runtime.parallelism": "data parallel cells are not built yet (use replicas: copies of a single-rank cell; "
+                           "sharded-kv, tensor and pipeline are served over CPU ranks)",
+    "runtime.parallelism.gpus": "sharded-kv, tensor and pipeline parallel are served over CPU ranks (topology.gpus 0, "
                                 "runtime.ranks N, gloo); their GPU ranks (NCCL, runtime.backend triton) are not built "
                                 "yet",
     "runtime.ranks": "a CPU cell with a multi-rank parallelism states how many CPU ranks it runs: runtime.ranks of at "
                      "least 2",
     "profile.kv.sharded": "the sharded-KV runner reads fp32 / bf16 / fp16 / int8 / fp8 caches, not packed rotated int4",
     "profile.attention.sharded": "block-sparse prefill is not built across ranks: a multi-rank cell prefills dense",
-    "profile.kv.tensor": "a lossy KV format is served only where its quality smoke passes, and that smoke runs on one "
-                         "process holding the whole model, which a tensor-parallel rank does not: fp32, bf16 or fp16",
+    "profile.kv.split": "a lossy KV format is served only where its quality smoke passes, and that smoke runs on one "
+                        "process holding the whole model, which a tensor- or pipeline-parallel rank does not: fp32, "
+                        "bf16 or fp16",
     "profile.weights": "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
                        f"from one of {', '.join(SERVED_WEIGHTS)}",
     "profile.kv": "the triton backend's prefill kernel reads int8 / fp8 caches, not packed rotated int4 (the torch "
@@ -74,7 +75,7 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("topology.gpus", "0", "the triton backend runs on GPUs: topology.gpus must be at least 1"))
     elif backend == Backend.triton.value and gpus > 1 and parallelism == Parallelism.single.value:
         out.append(Unserved("topology.gpus", str(gpus), REASONS["topology.gpus.single"]))
-    multi_served = (Parallelism.sharded_kv.value, Parallelism.tensor.value)
+    multi_served = (Parallelism.sharded_kv.value, Parallelism.tensor.value, Parallelism.pipeline.value)
     if parallelism in multi_served and gpus >= 1:
         out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism.gpus"]))
     elif parallelism not in (Parallelism.single.value, *multi_served):
@@ -88,8 +89,8 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv"]))
     elif parallelism == Parallelism.sharded_kv.value and kv == KVPrecision.int4.value:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv.sharded"]))
-    elif parallelism == Parallelism.tensor.value and kv in LOSSY_KV:
-        out.append(Unserved("profile.kv", kv, REASONS["profile.kv.tensor"]))
+    elif parallelism in (Parallelism.tensor.value, Parallelism.pipeline.value) and kv in LOSSY_KV:
+        out.append(Unserved("profile.kv", kv, REASONS["profile.kv.split"]))
     if parallelism in multi_served and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
         out.append(Unserved("profile.attention", "block-sparse", REASONS["profile.attention.sharded"]))
     return out
@@ -120,7 +121,7 @@ def not_served() -> list[str]:
                  if any(u.field == "profile.kv" for u in unserved(_probe("profile.kv", v.value, backend="triton")))]
     if triton_kv:
         out.append(f"profile.kv: {', '.join(triton_kv)} with runtime.backend triton")
-    for shape in (Parallelism.sharded_kv.value, Parallelism.tensor.value):
+    for shape in (Parallelism.sharded_kv.value, Parallelism.tensor.value, Parallelism.pipeline.value):
         cpu_ranks = {"runtime": {"backend": "torch", "parallelism": shape, "ranks": 2}}
         if any(u.field == "runtime.parallelism" for u in unserved(_probe(
                 "topology.gpus", 2, sections={"runtime": {"backend": "triton", "parallelism": shape},

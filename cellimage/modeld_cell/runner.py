@@ -138,6 +138,11 @@ class TorchRunner:
             self.decode_kernel = ("torch segmented (model._segmented_attention; chunking-invariant); "
                                   "kernels.dispatch.paged_decode validated but not used on CPU")
 
+    def forward(self, tokens: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor | None = None) -> Tensor:
+        """One forward of the model over this runner's pool: fp32 logits [len(rows) or N, V] (a pipeline stage runs
+        its part of it instead: parallel/pipeline.py)."""
+        return self.model(tokens, positions, self.kv, meta, rows)
+
     def prefill(self, tokens: list[int], start: int, blocks: list[int],
                 sparse: dict | None = None) -> tuple[Tensor, float, list[dict]]:
         """tokens at positions [start, start+T) of a session with block table ``blocks``, block-sparse with the
@@ -154,7 +159,7 @@ class TorchRunner:
         meta.sparse = sparse
         toks = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
-        logits = self.model(toks, pos, self.kv, meta, torch.tensor([len(tokens) - 1], device=dev))
+        logits = self.forward(toks, pos, meta, torch.tensor([len(tokens) - 1], device=dev))
         return logits[0], t_start, meta.sparse_log     # on the device: sampling reads only the ids back
 
     def decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> Tensor:
@@ -173,8 +178,8 @@ class TorchRunner:
                             block_size=bs, contiguous=[contig_start(t, n) for t, n in zip(tables, nblks, strict=True)],
                             decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch,
                             attend=self.attend)
-        return self.model(torch.tensor(toks, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), self.kv, meta)
+        return self.forward(torch.tensor(toks, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
 
 def runner_for(backend: str) -> type[TorchRunner]:

@@ -45,8 +45,9 @@ def _torchrun(world: int, script: str, *args: str, timeout: int = 600) -> subpro
 
 
 @pytest.mark.parametrize("shape, world, kv, steps", [("sharded-kv", 2, "fp32", 256), ("sharded-kv", 3, "int8", 32),
-                                                    ("tensor", 3, "fp32", 256)],
-                         ids=["sharded-kv-2-ranks-fp32", "sharded-kv-3-ranks-int8", "tensor-3-ranks-fp32"])
+                                                    ("tensor", 3, "fp32", 256), ("pipeline", 2, "fp32", 256)],
+                         ids=["sharded-kv-2-ranks-fp32", "sharded-kv-3-ranks-int8", "tensor-3-ranks-fp32",
+                              "pipeline-2-ranks-fp32"])
 def test_a_multi_rank_engine_serves_the_contract_exactly_as_one_rank(smollm2_path, tmp_path, shape, world, kv, steps):
     """The engine as the worker builds it (rank 0 drives the pool of every rank's blocks, the others follow): a
     prompt across page and shard boundaries, greedy decode, a suffix after the cached past, a branch through the
@@ -74,8 +75,10 @@ def test_a_multi_rank_engine_serves_the_contract_exactly_as_one_rank(smollm2_pat
     assert par["kv_budget_bytes_total"] == world * par["kv_budget_bytes_per_rank"]
     if shape == "sharded-kv":
         assert par["layout"].startswith("round-robin") and par["max_tokens_total"] == world * par["max_tokens_per_rank"]
-    else:                                           # 3 KV heads over 3 ranks: one each, every block on every rank
+    elif shape == "tensor":                         # 3 KV heads over 3 ranks: one each, every block on every rank
         assert par["kv_heads_per_rank"] == 1
+    else:                                           # 2 layers over 2 ranks
+        assert par["weights"].endswith("0-0, 1-1") and "bubble" in par
     assert par["forwards"]["decode"] > 0 and par["collective_ms_per_forward"]["decode"] is not None
     assert res["foreign_snapshot"].startswith("bad_request") and "backend" in res["foreign_snapshot"], res
 

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/dist/sharded_engine_rank.py GGUF SHAPE KV STEPS OUT
 
-The whole session contract on a cell of N CPU ranks of runtime.parallelism SHAPE (sharded-kv or tensor; the first
+The whole session contract on a cell of N CPU ranks of runtime.parallelism SHAPE (sharded-kv, tensor or pipeline; the first
 LAYERS layers of SmolLM2, KV precision KV), built the way the worker builds it: rank 0 ``Engine.from_cell`` (the
 engine over the pool of every rank's blocks, driving), the others ``loader.load_follower``. Rank 0 runs the same script on a single-rank engine of the same weights and writes both
 sides' greedy tokens and next-token logits at each checkpoint:

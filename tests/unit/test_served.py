@@ -39,7 +39,7 @@ def spec_with(path: str, value: str) -> dict:
 EXPECTED = {
     **{("runtime.backend", v.value): None for v in api.Backend},
     **{("runtime.parallelism", v.value): (None if v in (api.Parallelism.single, api.Parallelism.sharded_kv,
-                                                     api.Parallelism.tensor)
+                                                     api.Parallelism.tensor, api.Parallelism.pipeline)
                                           else "runtime.parallelism")
        for v in api.Parallelism},
     **{("topology.interconnect", v.value): (None if v is api.Interconnect.none else "topology.gpus")
@@ -89,7 +89,7 @@ def test_gpus_with_the_torch_backend_are_refused():
 @pytest.mark.parametrize("edit, field, kind", [
     ({"runtime": {"backend": "torch-cpu"}}, "runtime.backend", "bad_request"),
     ({"runtime": {"backend": "triton"}}, "topology.gpus", "unsupported"),
-    ({"runtime": {"backend": "torch", "parallelism": "pipeline"}}, "runtime.parallelism", "unsupported"),
+    ({"runtime": {"backend": "torch", "parallelism": "data", "ranks": 2}}, "runtime.parallelism", "unsupported"),
     ({"topology": {"gpus": 1, "interconnect": "none"}}, "topology.gpus", "unsupported"),
     ({"contextTier": "8k"}, "contextTier", "bad_request"),
     ({"profile": {"prefixReuse": "off"}}, "profile.prefixReuse", "bad_request"),
@@ -127,7 +127,10 @@ def test_the_capability_report_lists_exactly_the_values_refused():
     assert "runtime.parallelism: tensor with topology.gpus >= 1" in lines
     assert "profile.kv: int8, fp8-e4m3, int4 with runtime.parallelism tensor" in lines
     assert "profile.attention: block-sparse with runtime.parallelism tensor" in lines
-    assert len(lines) == 11, lines
+    assert "runtime.parallelism: pipeline with topology.gpus >= 1" in lines
+    assert "profile.kv: int8, fp8-e4m3, int4 with runtime.parallelism pipeline" in lines
+    assert "profile.attention: block-sparse with runtime.parallelism pipeline" in lines
+    assert len(lines) == 14, lines
 
 
 SHARDED = {**CPU, "runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
@@ -147,18 +150,21 @@ def test_a_sharded_kv_cell_is_served_on_cpu_ranks_and_refuses_what_its_runner_la
 
 
 TENSOR = {**CPU, "runtime": {"backend": "torch", "parallelism": "tensor", "ranks": 3}}
+PIPELINE = {**CPU, "runtime": {"backend": "torch", "parallelism": "pipeline", "ranks": 2}}
 
 
+@pytest.mark.parametrize("base", [TENSOR, PIPELINE], ids=["tensor", "pipeline"])
 @pytest.mark.parametrize("edit, field", [
     ({}, None),
     ({"profile": {"kv": "bf16"}}, None),
     ({"profile": {"kv": "int8"}}, "profile.kv"),
     ({"profile": {"attention": "block-sparse"}}, "profile.attention"),
-    ({"runtime": {"backend": "triton", "parallelism": "tensor"}, "topology": {"gpus": 2, "interconnect": "nvlink"}},
-     "runtime.parallelism"),
+    ({"topology": {"gpus": 2, "interconnect": "nvlink"}}, "runtime.parallelism"),
 ], ids=["cpu-ranks", "bf16", "int8", "block-sparse", "gpu-ranks"])
-def test_a_tensor_parallel_cell_is_served_on_cpu_ranks_with_unquantized_kv(edit, field):
-    got = unserved(api.parse_cell_spec({**TENSOR, **edit}))
+def test_a_tensor_or_pipeline_cell_is_served_on_cpu_ranks_with_unquantized_kv(base, edit, field):
+    if field == "runtime.parallelism":           # GPU ranks: backend triton, no runtime.ranks (one per GPU)
+        edit = {**edit, "runtime": {"backend": "triton", "parallelism": base["runtime"]["parallelism"]}}
+    got = unserved(api.parse_cell_spec({**base, **edit}))
     assert [u.field for u in got] == ([field] if field else []), got
 
 

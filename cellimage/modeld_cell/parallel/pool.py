@@ -5,7 +5,7 @@ The engine's block manager, prefix index and snapshots work on this pool exactly
 write) goes to every rank through the driving runner (parallel/ranks.Driving); the forwards never touch this pool's
 tensors (it has none).
 
-``MirroredPool`` (tensor parallel): every rank holds its KV heads of every block, so the ids are the same on every
+``MirroredPool`` (tensor and pipeline parallel): every rank holds its KV heads, or its layers, of every block, so the ids are the same on every
 rank and the bookkeeping is a single pool's.
 
 ``ShardedPool`` (sharded KV): global id ``g`` is local block ``g // world`` of rank ``g % world``
@@ -42,9 +42,10 @@ class RankPool(PagedKVCache):
     tensors. Its sizes are the whole model's (``n_kv_heads``: every KV head, as a snapshot stores them); its K/V
     operations go to every rank through the driving runner (parallel/ranks.Driving), each rank doing its part."""
 
-    def __init__(self, local: PagedKVCache, runner: Any, world: int, n_kv_heads: int, budget_bytes: int) -> None:
+    def __init__(self, local: PagedKVCache, runner: Any, world: int, n_layers: int, n_kv_heads: int,
+                 budget_bytes: int) -> None:
         # no PagedKVCache.__init__: no tensors of its own
-        self.n_layers, self.n_kv_heads, self.head_dim = local.n_layers, n_kv_heads, local.head_dim
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, local.head_dim
         self.fmt, self.block_size = local.fmt, local.block_size
         self.value_dim, self.scale_tail = local.value_dim, local.scale_tail
         self.local, self.runner, self.world = local, runner, world
@@ -82,18 +83,18 @@ class RankPool(PagedKVCache):
 
 
 class MirroredPool(RankPool):
-    """Every rank holds (its KV heads of) every block: the same ids everywhere (tensor and pipeline parallel), so the
-    bookkeeping is a single pool's."""
+    """Every rank holds its part (KV heads, or layers) of every block: the same ids everywhere (tensor and pipeline
+    parallel), so the bookkeeping is a single pool's; sizes are the whole model's (``n_layers``, ``n_kv_heads``)."""
 
-    def __init__(self, local: PagedKVCache, world: int, runner: Any, n_kv_heads: int) -> None:
-        super().__init__(local, runner, world, n_kv_heads, local.budget_bytes * world)
+    def __init__(self, local: PagedKVCache, world: int, runner: Any, n_layers: int, n_kv_heads: int) -> None:
+        super().__init__(local, runner, world, n_layers, n_kv_heads, local.budget_bytes * world)
         self.num_blocks = local.num_blocks
         self._free = list(range(self.num_blocks))
         heapq.heapify(self._free)
         self.ref = [0] * self.num_blocks
 
     def stats(self) -> dict:
-        return {**super().stats(), "ranks": self.world, "layout": "every block on every rank (its KV heads)",
+        return {**super().stats(), "ranks": self.world, "layout": "every block on every rank (its part of it)",
                 "per_rank_budget_bytes": self.local.budget_bytes}
 
 
@@ -102,7 +103,7 @@ class ShardedPool(RankPool):
         if local.num_blocks < 2:
             raise errors.BadRequest(f"a sharded-KV rank needs at least 2 KV blocks (one is scratch); its budget of "
                                     f"{local.budget_bytes} bytes holds {local.num_blocks}", field="kvMemoryMiB")
-        super().__init__(local, runner, world, local.n_kv_heads, local.budget_bytes * world)
+        super().__init__(local, runner, world, local.n_layers, local.n_kv_heads, local.budget_bytes * world)
         self.rank_blocks = local.num_blocks - 1                       # usable blocks per rank
         self.num_blocks = self.rank_blocks * world
         self._heaps: list[list[int]] = [[global_id(i, r, world) for i in range(1, local.num_blocks)]

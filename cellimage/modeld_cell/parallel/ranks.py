@@ -32,6 +32,7 @@ from torch import Tensor
 from modeld_cell import errors
 from modeld_cell.runner import TorchRunner
 
+from .pipeline import PipelineRunner, keep_layers, layer_split
 from .sharded_kv import RankLost, ShardedKVRunner
 from .tensor import Collectives, TensorParallelRunner, shard_model
 
@@ -153,27 +154,49 @@ class TensorDriver(Driving, TensorParallelRunner):
         self.ranks = ranks
 
 
+class PipelineDriver(Driving, PipelineRunner):
+    def __init__(self, model: Any, kv: Any, ranks: Ranks, layers: range) -> None:
+        PipelineRunner.__init__(self, model, kv, layers=layers)
+        self.ranks = ranks
+
+
 def rank_runner(cfg: Any, model: Any, rk: Ranks) -> tuple[Any, Any]:
     """This rank's runner and, on rank 0, the engine's pool over every rank's blocks (else None). Tensor parallel
-    cuts the model down to this rank's heads first (parallel/tensor.shard_model)."""
+    cuts the model down to this rank's heads first (parallel/tensor.shard_model), pipeline parallel to its layers
+    (parallel/pipeline.keep_layers)."""
     from modeld_cell.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_format
 
     from .pool import MirroredPool, ShardedPool
 
     a = model.args
-    heads = None
+    heads, layers = None, None
+    n_layers, n_kv = a.n_layers, a.n_kv_heads
     clock = Collectives()
     if cfg.parallelism == "tensor":
         heads = shard_model(model, rk.rank, rk.world, None, clock)
-    local = PagedKVCache(a.n_layers, len(heads[1]) if heads else a.n_kv_heads, a.head_dim, kv_format(cfg.kv),
-                         cfg.kv_memory_mib << 20, DEFAULT_BLOCK_SIZE, device=cfg.device)
+        n_kv = len(heads[1])
+    elif cfg.parallelism == "pipeline":
+        if rk.world > a.n_layers:
+            raise errors.Unsupported(f"runtime.ranks {rk.world}: pipeline parallel gives each rank at least one of "
+                                     f"the model's {a.n_layers} layers", field="runtime.ranks", value=str(rk.world))
+        layers = layer_split(a.n_layers, rk.world)[rk.rank]
+        keep_layers(model, layers, first=rk.rank == 0, last=rk.rank == rk.world - 1)
+        n_layers = len(layers)
+    local = PagedKVCache(n_layers, n_kv, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20, DEFAULT_BLOCK_SIZE,
+                         device=cfg.device)
+    runner: Any
     if rk.rank != 0:
         if heads is not None:
             return TensorParallelRunner(model, local, heads=heads, clock=clock), None
+        if layers is not None:
+            return PipelineRunner(model, local, layers=layers), None
         return ShardedKVRunner(model, local), None
     if heads is not None:
-        runner: Any = TensorDriver(model, local, rk, heads, clock)
-        return runner, MirroredPool(local, rk.world, runner, a.n_kv_heads)
+        runner = TensorDriver(model, local, rk, heads, clock)
+        return runner, MirroredPool(local, rk.world, runner, a.n_layers, a.n_kv_heads)
+    if layers is not None:
+        runner = PipelineDriver(model, local, rk, layers)
+        return runner, MirroredPool(local, rk.world, runner, a.n_layers, a.n_kv_heads)
     runner = ShardedDriver(model, local, rk)
     return runner, ShardedPool(local, rk.world, runner)
 

@@ -1,0 +1,161 @@
+"""Pipeline parallel: each rank holds a contiguous range of the layers; a forward's activations go rank to rank.
+
+Rank 0 embeds the tokens and runs its layers; each next rank receives the hidden state ``[rows, dim]`` from the one
+before, runs its layers and sends it on; the last rank applies the final norm and the LM head and sends the logits
+back to rank 0, which samples. Every layer runs exactly the computation one rank would, in the same order, so the
+logits equal one rank's bit for bit (no sum is split). Each rank's KV pool holds its layers of every block, with the
+same block ids everywhere (parallel/pool.MirroredPool on rank 0).
+
+The cost for one interactive session is the bubble: a forward visits the ranks one after another, so while one
+computes the others wait; with N ranks each is idle (N - 1) / N of a single session's forward. What the shape buys
+is memory (each rank holds 1/N of the weights and of the KV), not speed for one session; the runner measures the
+time rank 0 waits for the rest of the pipe per forward (the capability report's collective time).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from modeld_cell.kv_cache import PagedKVCache
+from modeld_cell.model import AttnMetadata, Transformer
+from modeld_cell.runner import TorchRunner
+
+from .sharded_kv import RankLost
+
+
+def layer_split(n_layers: int, ranks: int) -> list[range]:
+    """Contiguous layer ranges, as even as they go (the first ``n_layers % ranks`` ranks get one more)."""
+    base, extra = divmod(n_layers, ranks)
+    out, start = [], 0
+    for r in range(ranks):
+        n = base + (1 if r < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def keep_layers(model: Transformer, layers: range, first: bool, last: bool) -> None:
+    """Cut the loaded model down to ``layers`` in place, renumbered from 0 for this rank's KV pool; drop the
+    embedding unless first (tied to the LM head, it stays on the last rank too), the norm and LM head unless last.
+    ``model.args`` keeps the whole model's shape (the cache identity and the snapshot layout are the model's)."""
+    kept = [model.layers[i] for i in layers]
+    for local, block in enumerate(kept):
+        att: Any = block.attention
+        att.layer = local
+    model.layers = nn.ModuleList(kept)
+    if not last:
+        model.output = None            # type: ignore[assignment]
+        model.norm = None              # type: ignore[assignment]
+    if not first and not (last and model.args.tie_embeddings):
+        model.tok_embeddings = None    # type: ignore[assignment]
+
+
+class PipelineRunner(TorchRunner):
+    name = "pipeline"
+
+    def __init__(self, model: Transformer, kv: PagedKVCache, group: dist.ProcessGroup | None = None,
+                 layers: range | None = None) -> None:
+        super().__init__(model, kv)
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.layers = layers if layers is not None else range(model.args.n_layers)
+        self.collective_s = {"prefill": 0.0, "decode": 0.0}
+        self.forwards = {"prefill": 0, "decode": 0}
+        self.decode_kernel = f"torch (model.paged_attention) on layers {self.layers.start}-{self.layers.stop - 1}"
+        self.attend = None
+
+    @property
+    def chunking_invariant(self) -> bool:
+        return False
+
+    def choose_decode_kernel(self, mode: str) -> None:
+        """model.py's torch paths on this rank's layers (MODELD_DECODE_ATTENTION does not apply)."""
+
+    def kernels(self) -> dict[str, str]:
+        return {"prefill": f"torch on layers {self.layers.start}-{self.layers.stop - 1} of {self.model.args.n_layers}",
+                "decode": self.decode_kernel, "device": str(self.kv.device)}
+
+    def _p2p(self, kind: str, fn: Any, *args: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn(*args, group=self.group)
+        except RuntimeError as e:      # gloo / NCCL: peer gone, connection reset, or the group's timeout
+            raise RankLost(f"rank {self.rank} of {self.world}: the pipeline's send/recv failed: {e}") from e
+        self.collective_s[kind] += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _stage(self, tokens: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor | None) -> Tensor | None:
+        """This rank's part of one forward; rank 0 gets the logits [rows or N, V] fp32 back, the others None."""
+        m, kind = self.model, meta.kind
+        dev = tokens.device
+        first, last = self.rank == 0, self.rank == self.world - 1
+        if first:
+            x = m.tok_embeddings(tokens)
+        else:
+            x = torch.empty(tokens.shape[0], m.args.dim, dtype=self._dtype(), device=dev)
+            self._p2p(kind, dist.recv, x, self.rank - 1)
+        cos, sin = m.rope_cos[positions], m.rope_sin[positions]
+        for layer in m.layers:
+            x = layer(x, cos, sin, self.kv, meta)
+        if not last:
+            self._p2p(kind, dist.send, x.contiguous(), self.rank + 1)
+        else:
+            if rows is not None:
+                x = x[rows]
+            logits = m.output(m.norm(x)).float().contiguous()
+            if first:
+                return logits
+            self._p2p(kind, dist.send, logits, 0)
+            return None
+        if first:
+            logits = torch.empty(rows.shape[0] if rows is not None else tokens.shape[0], m.args.vocab_size,
+                                 dtype=torch.float32, device=dev)
+            self._p2p(kind, dist.recv, logits, self.world - 1)
+            return logits
+        return None
+
+    def _dtype(self) -> torch.dtype:
+        return next(p for p in self.model.parameters()).dtype
+
+    def forward(self, tokens: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor | None = None) -> Tensor:
+        kind = "decode" if meta.kind == "decode" else "prefill"
+        self.forwards[kind] += 1
+        out = self._stage(tokens, positions, meta, rows)
+        # a follower's result is never read (rank 0 samples): an empty row per requested row keeps the callers' shape
+        return out if out is not None else torch.empty(rows.shape[0] if rows is not None else tokens.shape[0], 0)
+
+    # ---- this rank's part of the pool's operations (the same block ids on every rank; this rank's layers)
+
+    def copy_local(self, src: int, dst: int, n: int) -> None:
+        self.kv.copy_block(src, dst, n)
+
+    def read_local(self, blocks: list[int], n: int) -> list[tuple[str, Tensor]]:
+        return [(name, t.cpu()) for name, t in self.kv.read_payload(blocks, n)]
+
+    def write_local(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
+        dev = self.kv.device
+        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
+        self.kv.write_tokens(blocks, payload["k"].to(dev), payload["v"].to(dev), scales)
+
+    def assemble(self, parts: list[list[tuple[str, Tensor]]], n: int) -> list[tuple[str, Tensor]]:
+        """The ranks' parts (their layers, in rank order) into the whole model's payload [L, n, ...]."""
+        return [(name, torch.cat([p[j][1] for p in parts], 0)) for j, (name, _) in enumerate(parts[0])]
+
+    def split(self, payload: dict[str, Tensor], n: int) -> list[dict[str, Tensor]]:
+        return [{name: t[r.start : r.stop].cpu() for name, t in payload.items()}
+                for r in layer_split(self.model.args.n_layers, self.world)]
+
+    def shape_report(self, pool: Any) -> dict[str, Any]:
+        splits = layer_split(self.model.args.n_layers, self.world)
+        return {"shape": "pipeline", "weights": f"layers split over {self.world} ranks: "
+                + ", ".join(f"{r.start}-{r.stop - 1}" for r in splits),
+                "kv_budget_bytes_per_rank": pool.local.budget_bytes, "kv_budget_bytes_total": pool.budget_bytes,
+                "max_tokens_total": pool.max_tokens,
+                "collective": "send/recv of [rows, dim] between consecutive ranks, the logits back to rank 0",
+                "bubble": f"one session's forward visits the ranks in turn: each idles {self.world - 1}/{self.world}"
+                          " of it"}
