@@ -17,6 +17,7 @@ spec.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from . import AttentionMode, Backend, CellSpec, KVPrecision, Parallelism, WeightPrecision
@@ -127,8 +128,10 @@ def not_served() -> list[str]:
                 "topology.gpus", 2, sections={"runtime": {"backend": "triton", "parallelism": shape},
                                               "topology": {"gpus": 2, "interconnect": "nvlink"}}))):
             out.append(f"runtime.parallelism: {shape} with topology.gpus >= 1")
-        for path, enum in (("profile.kv", KVPrecision), ("profile.attention", AttentionMode)):
-            refused = [v.value for v in enum
+        profile_enums: tuple[tuple[str, type[Enum]], ...] = (("profile.kv", KVPrecision),
+                                                             ("profile.attention", AttentionMode))
+        for path, values in profile_enums:
+            refused = [v.value for v in values
                        if any(u.field == path for u in unserved(_probe(path, v.value, sections=cpu_ranks)))]
             if refused:
                 out.append(f"{path}: {', '.join(refused)} with runtime.parallelism {shape}")
