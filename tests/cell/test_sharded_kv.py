@@ -3,7 +3,8 @@ against one rank's torch path: a prompt across page and shard boundaries, a chun
 plan: every chunk's rows see the earlier shards through the exact merge), then greedy decode.
 
 Both sides run the same stated prefix of the model (its first 2 layers) to keep CI quick; the mechanism per layer is
-the same at 30. Bound: fp32 logits within 1e-4 (the same sums in another order; measured ~3e-5)."""
+the same at 30. Bound: fp32 logits within 1e-4 (the same sums in another order; measured ~3e-5); int8 KV within 5e-2
+(QUANT_MAX_ABS below)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,18 @@ pytestmark = pytest.mark.cell
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_ABS = 1e-4
+# int8 KV rounds each value to 1/127 of its row's absmax: a ~1e-5 difference in the hidden state (the same sums in
+# another order) can move a stored value across a rounding boundary, one quantization step, which moves later logits
+# by up to ~1e-2 (measured 9.1e-3 over 256 steps on 3 ranks: docs/bench/2026-12-01/sharded_runner_3_int8.json).
+# A wrong shard or merge is off by O(1); the tokens must still be identical.
+QUANT_MAX_ABS = 5e-2
 
 
-@pytest.mark.parametrize("world, kv, steps", [(2, "fp32", 256), (3, "int8", 64)], ids=["2-ranks-fp32", "3-ranks-int8"])
+def bound(kv: str) -> float:
+    return MAX_ABS if kv in ("fp32", "bf16", "fp16") else QUANT_MAX_ABS
+
+
+@pytest.mark.parametrize("world, kv, steps", [(2, "fp32", 256), (3, "int8", 256)], ids=["2-ranks-fp32", "3-ranks-int8"])
 def test_sharded_kv_across_ranks_equals_one_rank(smollm2_path, tmp_path, world, kv, steps):
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -33,7 +43,7 @@ def test_sharded_kv_across_ranks_equals_one_rank(smollm2_path, tmp_path, world, 
     res = json.loads(out.read_text())
     assert res["world"] == world and len(res["tokens"]) == steps
     assert res["tokens"] == res["reference_tokens"]
-    assert res["max_abs_logits"] <= MAX_ABS, res["max_abs_logits"]
+    assert res["max_abs_logits"] <= bound(kv), res["max_abs_logits"]
 
 
 def _torchrun(world: int, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -63,7 +73,7 @@ def test_a_multi_rank_engine_serves_the_contract_exactly_as_one_rank(smollm2_pat
     errs = res["max_abs_logits"]
     assert errs["restored"] is None                 # the snapshot's last token had not run: logits unknown, both sides
     for checkpoint in ("prefix", "suffix", "branch"):
-        assert errs[checkpoint] <= MAX_ABS, (checkpoint, errs)
+        assert errs[checkpoint] <= bound(kv), (checkpoint, errs)
     # the branch shared the prefix cache's blocks and copied the divergent one, as on one rank
     assert res["branch_reuse"] == res["reference_branch_reuse"]
     assert res["branch_reuse"]["source"] == "prefix-cache" and res["branch_reuse"]["blocks_copied"] == 1

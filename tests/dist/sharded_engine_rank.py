@@ -99,7 +99,8 @@ def main() -> None:
     finally:
         eng.shutdown()               # stops the followers
         ref.shutdown()
-    res = {"world": world, "shape": shape, "kv": kv, "tokens": got["tokens"], "reference_tokens": want["tokens"],
+    res = {"command": "python -m torch.distributed.run --standalone --nproc-per-node " + str(world) + " "
+                      + " ".join(sys.argv), "world": world, "shape": shape, "kv": kv, "tokens": got["tokens"], "reference_tokens": want["tokens"],
            "branch_reuse": got["branch_reuse"], "reference_branch_reuse": want["branch_reuse"],
            "session_tokens": got["session_tokens"], "foreign_snapshot": foreign,
            "max_abs_logits": {k: diff(got["logits"][k], want["logits"][k]) for k in got["logits"]},

@@ -21,6 +21,7 @@ from modeld_cell.models import build_model, load_checkpoint
 from modeld_cell.parallel.sharded_kv import ShardedKVRunner, global_id
 from modeld_cell.runner import TorchRunner
 
+
 def run(runner, tables_of, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
     """Prefill in two chunks, then greedy decode; returns (logits after each step, generated tokens)."""
     logits, toks = [], []
@@ -60,7 +61,8 @@ def main() -> None:
         ref_kv = pool()
         blocks = ref_kv.allocate(ref_kv.num_blocks)
         want, want_toks = run(TorchRunner(model, ref_kv), lambda n: blocks[: ref_kv.blocks_for(n)], prompt, steps)
-        res = {"world": world, "layers": layers, "kv": kv_name, "tokens": toks, "reference_tokens": want_toks,
+        res = {"command": f"python -m torch.distributed.run --standalone --nproc-per-node {world} "
+                          + " ".join(sys.argv), "world": world, "layers": layers, "kv": kv_name, "tokens": toks, "reference_tokens": want_toks,
                "max_abs_logits": max(float((x - y).abs().max()) for x, y in zip(logits, want, strict=True))}
         with open(out_path, "w") as f:
             json.dump(res, f)

@@ -37,7 +37,8 @@ def main() -> None:
     runner = ShardedKVRunner(model, kv)
     seq = [(i * 7919 + 11) % a.vocab_size for i in range(40)]
     logits = runner.prefill(seq, 0, table[: kv.blocks_for(len(seq))])[0]
-    res: dict = {"steps": 0}
+    res: dict = {"command": "python -m torch.distributed.run --standalone --nproc-per-node 2 " + " ".join(sys.argv),
+                 "steps": 0}
     t0 = time.monotonic()
     try:
         for step in range(20):
