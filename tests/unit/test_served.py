@@ -121,15 +121,10 @@ def test_the_capability_report_lists_exactly_the_values_refused():
     assert "topology.gpus: >= 1 with runtime.backend torch" in lines
     assert "topology.gpus: >= 2 with runtime.backend triton and runtime.parallelism single" in lines
     assert "profile.kv: int4 with runtime.backend triton" in lines
-    assert "runtime.parallelism: sharded-kv with topology.gpus >= 1" in lines
-    assert "profile.kv: int4 with runtime.parallelism sharded-kv" in lines
-    assert "profile.attention: block-sparse with runtime.parallelism sharded-kv" in lines
-    assert "runtime.parallelism: tensor with topology.gpus >= 1" in lines
-    assert "profile.kv: int8, fp8-e4m3, int4 with runtime.parallelism tensor" in lines
-    assert "profile.attention: block-sparse with runtime.parallelism tensor" in lines
-    assert "runtime.parallelism: pipeline with topology.gpus >= 1" in lines
-    assert "profile.kv: int8, fp8-e4m3, int4 with runtime.parallelism pipeline" in lines
-    assert "profile.attention: block-sparse with runtime.parallelism pipeline" in lines
+    for shape, kv in (("sharded-kv", "int4"), ("tensor", "int8, fp8-e4m3, int4"), ("pipeline", "int8, fp8-e4m3, int4")):
+        assert f"runtime.parallelism: {shape} with topology.gpus >= 1" in lines
+        assert f"profile.kv: {kv} with runtime.parallelism {shape}" in lines
+        assert f"profile.attention: block-sparse with runtime.parallelism {shape}" in lines
     assert len(lines) == 14, lines
 
 

@@ -25,6 +25,7 @@ from modeld_cell.kv_cache import PagedKVCache
 from modeld_cell.model import AttnMetadata, Transformer
 from modeld_cell.runner import TorchRunner
 
+from .pool import MirroredLocal
 from .sharded_kv import RankLost
 
 
@@ -55,7 +56,7 @@ def keep_layers(model: Transformer, layers: range, first: bool, last: bool) -> N
         model.tok_embeddings = None    # type: ignore[assignment]
 
 
-class PipelineRunner(TorchRunner):
+class PipelineRunner(MirroredLocal, TorchRunner):
     name = "pipeline"
 
     def __init__(self, model: Transformer, kv: PagedKVCache, group: dist.ProcessGroup | None = None,
@@ -129,18 +130,7 @@ class PipelineRunner(TorchRunner):
         # a follower's result is never read (rank 0 samples): an empty row per requested row keeps the callers' shape
         return out if out is not None else torch.empty(rows.shape[0] if rows is not None else tokens.shape[0], 0)
 
-    # ---- this rank's part of the pool's operations (the same block ids on every rank; this rank's layers)
-
-    def copy_local(self, src: int, dst: int, n: int) -> None:
-        self.kv.copy_block(src, dst, n)
-
-    def read_local(self, blocks: list[int], n: int) -> list[tuple[str, Tensor]]:
-        return [(name, t.cpu()) for name, t in self.kv.read_payload(blocks, n)]
-
-    def write_local(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
-        dev = self.kv.device
-        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
-        self.kv.write_tokens(blocks, payload["k"].to(dev), payload["v"].to(dev), scales)
+    # ---- how the ranks' parts of a payload join (this rank's part: pool.MirroredLocal)
 
     def assemble(self, parts: list[list[tuple[str, Tensor]]], n: int) -> list[tuple[str, Tensor]]:
         """The ranks' parts (their layers, in rank order) into the whole model's payload [L, n, ...]."""

@@ -82,6 +82,24 @@ class RankPool(PagedKVCache):
         return (got["k_scale"], got["v_scale"]) if "k_scale" in got else None
 
 
+class MirroredLocal:
+    """A rank runner's part of a MirroredPool's operations (tensor and pipeline parallel): the same block ids on every
+    rank, each rank its own part of every block (KV heads, or layers)."""
+
+    kv: PagedKVCache
+
+    def copy_local(self, src: int, dst: int, n: int) -> None:
+        self.kv.copy_block(src, dst, n)
+
+    def read_local(self, blocks: list[int], n: int) -> list[tuple[str, Tensor]]:
+        return [(name, t.cpu()) for name, t in self.kv.read_payload(blocks, n)]
+
+    def write_local(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
+        dev = self.kv.device
+        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
+        self.kv.write_tokens(blocks, payload["k"].to(dev), payload["v"].to(dev), scales)
+
+
 class MirroredPool(RankPool):
     """Every rank holds its part (KV heads, or layers) of every block: the same ids everywhere (tensor and pipeline
     parallel), so the bookkeeping is a single pool's; sizes are the whole model's (``n_layers``, ``n_kv_heads``)."""

@@ -27,6 +27,7 @@ from modeld_cell.kv_cache import PagedKVCache
 from modeld_cell.model import Transformer
 from modeld_cell.runner import TorchRunner
 
+from .pool import MirroredLocal
 from .sharded_kv import RankLost
 
 
@@ -116,7 +117,7 @@ def shard_model(model: Transformer, rank: int, ranks: int, group: dist.ProcessGr
     return qh, kvh
 
 
-class TensorParallelRunner(TorchRunner):
+class TensorParallelRunner(MirroredLocal, TorchRunner):
     name = "tensor"
 
     def __init__(self, model: Transformer, kv: PagedKVCache, group: dist.ProcessGroup | None = None,
@@ -152,18 +153,7 @@ class TensorParallelRunner(TorchRunner):
         self.clock.kind = "decode"
         return super().decode(toks, positions, tables)
 
-    # ---- this rank's part of the pool's operations (the same block ids on every rank; this rank's KV heads)
-
-    def copy_local(self, src: int, dst: int, n: int) -> None:
-        self.kv.copy_block(src, dst, n)
-
-    def read_local(self, blocks: list[int], n: int) -> list[tuple[str, Tensor]]:
-        return [(name, t.cpu()) for name, t in self.kv.read_payload(blocks, n)]
-
-    def write_local(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
-        dev = self.kv.device
-        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
-        self.kv.write_tokens(blocks, payload["k"].to(dev), payload["v"].to(dev), scales)
+    # ---- how the ranks' parts of a payload join (this rank's part: pool.MirroredLocal)
 
     def assemble(self, parts: list[list[tuple[str, Tensor]]], n: int) -> list[tuple[str, Tensor]]:
         """The ranks' parts (their KV heads) into the whole model's payload: [L, n, Hkv, ...], each KV head taken
