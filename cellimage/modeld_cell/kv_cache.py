@@ -311,6 +311,12 @@ class PagedKVCache:
             out += [("k_scale", sc[0]), ("v_scale", sc[1])]
         return out
 
+    def write_payload(self, blocks: list[int], payload: dict[str, Tensor]) -> None:
+        """Inverse of read_payload: a payload by those names (any device) into positions [0, n) of ``blocks``."""
+        dev = self.device
+        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
+        self.write_tokens(blocks, payload["k"].to(dev), payload["v"].to(dev), scales)
+
     def payload_spec(self, n: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """What read_tokens + read_scales return for n tokens, by snapshot tensor name: {name: (dtype, shape)}."""
         vals = (self.n_layers, n, self.n_kv_heads, self.value_dim)

@@ -23,10 +23,9 @@ from torch import Tensor, nn
 
 from modeld_cell.kv_cache import PagedKVCache
 from modeld_cell.model import AttnMetadata, Transformer
-from modeld_cell.runner import TorchRunner
 
 from .pool import MirroredLocal
-from .sharded_kv import RankLost
+from .sharded_kv import RankLost, RankRunner
 
 
 def layer_split(n_layers: int, ranks: int) -> list[range]:
@@ -56,23 +55,15 @@ def keep_layers(model: Transformer, layers: range, first: bool, last: bool) -> N
         model.tok_embeddings = None    # type: ignore[assignment]
 
 
-class PipelineRunner(MirroredLocal, TorchRunner):
+class PipelineRunner(MirroredLocal, RankRunner):
     name = "pipeline"
 
     def __init__(self, model: Transformer, kv: PagedKVCache, group: dist.ProcessGroup | None = None,
                  layers: range | None = None) -> None:
-        super().__init__(model, kv)
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        super().__init__(model, kv, group)
         self.layers = layers if layers is not None else range(model.args.n_layers)
-        self.collective_s = {"prefill": 0.0, "decode": 0.0}
-        self.forwards = {"prefill": 0, "decode": 0}
         self.decode_kernel = f"torch (model.paged_attention) on layers {self.layers.start}-{self.layers.stop - 1}"
         self.attend = None
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return False
 
     def choose_decode_kernel(self, mode: str) -> None:
         """model.py's torch paths on this rank's layers (MODELD_DECODE_ATTENTION does not apply)."""

@@ -95,9 +95,7 @@ class MirroredLocal:
         return [(name, t.cpu()) for name, t in self.kv.read_payload(blocks, n)]
 
     def write_local(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
-        dev = self.kv.device
-        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
-        self.kv.write_tokens(blocks, payload["k"].to(dev), payload["v"].to(dev), scales)
+        self.kv.write_payload(blocks, payload)
 
 
 class MirroredPool(RankPool):

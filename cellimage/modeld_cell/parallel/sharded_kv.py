@@ -65,30 +65,38 @@ def split(payload: dict[str, Tensor], n: int, block_size: int, world: int) -> li
     """Inverse of assemble: each rank's part of a payload in token order."""
     out: list[dict[str, Tensor]] = []
     for r in range(world):
-        idx = [i for i in sharded.local_block_indices(-(-n // block_size), r, world)]
-        rows = [t for i in idx for t in range(i * block_size, min(n, (i + 1) * block_size))]
+        rows = [t for i in sharded.local_block_indices(-(-n // block_size), r, world)
+                for t in range(i * block_size, min(n, (i + 1) * block_size))]
         sel = torch.tensor(rows, dtype=torch.long)
         out.append({name: t.index_select(1, sel.to(t.device)).cpu() for name, t in payload.items()})
     return out
 
 
-class ShardedKVRunner(TorchRunner):
-    name = "sharded-kv"
+class RankRunner(TorchRunner):
+    """What every rank's runner has (sharded KV, tensor, pipeline): its place in the group, and the time it spent in
+    collectives and the forwards it ran, per forward kind (the capability report's communication cost). Its rows
+    depend on the other ranks' sums, so it is not chunking-invariant."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(model, kv)
-        if kv.fmt.quant == "int4":
-            raise ValueError("the sharded-KV runner reads int8 / fp8 / float caches, not packed rotated int4")
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.decode_kernel = f"sharded-kv partial attention over {self.world} ranks + exact merge"
-        # time this rank spent in the merge's collective, per forward kind (the capability report's communication cost)
         self.collective_s = {"prefill": 0.0, "decode": 0.0}
         self.forwards = {"prefill": 0, "decode": 0}
 
     @property
     def chunking_invariant(self) -> bool:
         return False
+
+
+class ShardedKVRunner(RankRunner):
+    name = "sharded-kv"
+
+    def __init__(self, model: Transformer, kv: PagedKVCache, group: dist.ProcessGroup | None = None) -> None:
+        if kv.fmt.quant == "int4":
+            raise ValueError("the sharded-KV runner reads int8 / fp8 / float caches, not packed rotated int4")
+        super().__init__(model, kv, group)
+        self.decode_kernel = f"sharded-kv partial attention over {self.world} ranks + exact merge"
 
     def choose_decode_kernel(self, mode: str) -> None:
         """Decode always runs the partial attention + merge (``attend``); MODELD_DECODE_ATTENTION does not apply."""
@@ -143,11 +151,8 @@ class ShardedKVRunner(TorchRunner):
     def write_local(self, blocks: list[int], n: int, payload: dict[str, Tensor]) -> None:
         """Inverse of read_local: this rank's part of a session's first n tokens (payload names) into its blocks."""
         local, _ = self._owned(blocks, n)
-        if not local:
-            return
-        dev = self.kv.device
-        scales = (payload["k_scale"].to(dev), payload["v_scale"].to(dev)) if "k_scale" in payload else None
-        self.kv.write_tokens(local, payload["k"].to(dev), payload["v"].to(dev), scales)
+        if local:
+            self.kv.write_payload(local, payload)
 
     def assemble(self, parts: list[list[tuple[str, Tensor]]], n: int) -> list[tuple[str, Tensor]]:
         return assemble(parts, n, self.kv.block_size)

@@ -25,10 +25,9 @@ from torch import Tensor, nn
 from modeld_cell import errors
 from modeld_cell.kv_cache import PagedKVCache
 from modeld_cell.model import Transformer
-from modeld_cell.runner import TorchRunner
 
 from .pool import MirroredLocal
-from .sharded_kv import RankLost
+from .sharded_kv import RankLost, RankRunner
 
 
 def head_split(n_heads: int, n_kv_heads: int, ranks: int) -> list[tuple[range, range]]:
@@ -117,25 +116,15 @@ def shard_model(model: Transformer, rank: int, ranks: int, group: dist.ProcessGr
     return qh, kvh
 
 
-class TensorParallelRunner(MirroredLocal, TorchRunner):
+class TensorParallelRunner(MirroredLocal, RankRunner):
     name = "tensor"
 
     def __init__(self, model: Transformer, kv: PagedKVCache, group: dist.ProcessGroup | None = None,
                  heads: tuple[range, range] | None = None, clock: Collectives | None = None) -> None:
-        super().__init__(model, kv)
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        super().__init__(model, kv, group)
         self.heads = heads or (range(model.args.n_heads), range(model.args.n_kv_heads))
         self.clock = clock or Collectives()
-        self.forwards = {"prefill": 0, "decode": 0}
-
-    @property
-    def collective_s(self) -> dict[str, float]:
-        return self.clock.s
-
-    @property
-    def chunking_invariant(self) -> bool:
-        return False
+        self.collective_s = self.clock.s          # the reductions (RankSum) add to it
 
     def kernels(self) -> dict[str, str]:
         out = super().kernels()
