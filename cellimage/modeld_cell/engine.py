@@ -106,9 +106,9 @@ class Engine:
         """Stop the decode loop and the torch thread (tests, process exit); a driving runner's followers too."""
         self.scheduler.shutdown()
         self._thread.shutdown()
-        if self.ready and hasattr(self.runner, "stop"):
+        if hasattr(self.runner, "stop"):   # a driving runner: stops the followers (unless a rank is lost), leaves
             try:
-                self.runner.stop()
+                self.runner.stop(send=self.ready)
             except RuntimeError:           # a lost rank: the launcher stops the others
                 pass
 

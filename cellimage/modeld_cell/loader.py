@@ -157,16 +157,17 @@ def load_follower(spec: CellSpec | Mapping[str, Any], model_path: str | None, se
     settings = settings or EngineSettings.from_env()
     torch.set_num_threads(settings.threads)
     rk = ranks.join(cfg.ranks, cfg.device, settings.collective_timeout_s)
-    _, model, _, _, _ = _load_model(cfg, model_path, layers)
-    runner, _ = ranks.rank_runner(cfg, model, rk)
-    ranks.follow(runner, rk)
+    try:
+        _, model, _, _, _ = _load_model(cfg, model_path, layers)
+        runner, _ = ranks.rank_runner(cfg, model, rk)
+        ranks.follow(runner, rk)
+    finally:
+        ranks.leave()
 
 
 def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_path: str | None,
                 settings: EngineSettings | None, quality_cache: str | None, device: str | None = None,
                 layers: int | None = None, gate: bool = True) -> Engine:
-    from . import profile_gate
-
     cfg = CellConfig.from_spec(spec)
     resolve_device(cfg, device)
     settings = settings or EngineSettings.from_env()
@@ -176,7 +177,20 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
         from .parallel import ranks
         rk = ranks.join(cfg.ranks, cfg.device, settings.collective_timeout_s)
         if rk.rank != 0:
+            ranks.leave()
             raise errors.Fatal(f"rank {rk.rank} builds no engine: it follows rank 0 (loader.load_follower)")
+        try:
+            return _build_engine(cls, cfg, model_path, settings, quality_cache, layers, gate, rk)
+        except BaseException:        # refused or failed before the engine took the groups: leave them here
+            ranks.leave()
+            raise
+    return _build_engine(cls, cfg, model_path, settings, quality_cache, layers, gate, rk)
+
+
+def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, settings: EngineSettings,
+                  quality_cache: str | None, layers: int | None, gate: bool, rk: Any) -> Engine:
+    from . import profile_gate
+
     ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers)
     runner = None
     backend = f"{cfg.backend}-{torch.device(cfg.device).type}"

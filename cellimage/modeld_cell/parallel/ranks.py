@@ -137,9 +137,14 @@ class Driving(TorchRunner):
                 "collective_timeout_s": self.ranks.timeout_s, "collective_ms_per_forward": per_step,
                 "forwards": dict(self.forwards)}
 
-    def stop(self) -> None:
-        """Tell the followers to return from ``follow`` (a clean shutdown; a lost rank is the launcher's)."""
-        self._send("stop")
+    def stop(self, send: bool = True) -> None:
+        """Tell the followers to return from ``follow`` (a clean shutdown; ``send=False`` after a lost rank, which is
+        the launcher's), then leave the groups."""
+        try:
+            if send and dist.is_initialized():       # not yet left (a second shutdown is a no-op)
+                self._send("stop")
+        finally:
+            leave()
 
 
 class ShardedDriver(Driving, ShardedKVRunner):
@@ -199,6 +204,14 @@ def rank_runner(cfg: Any, model: Any, rk: Ranks) -> tuple[Any, Any]:
         return runner, MirroredPool(local, rk.world, runner, a.n_layers, a.n_kv_heads)
     runner = ShardedDriver(model, local, rk)
     return runner, ShardedPool(local, rk.world, runner)
+
+
+def leave() -> None:
+    """Destroy this process's groups (idempotent). Every rank does so before it exits: a gloo group left to the
+    interpreter's teardown can abort the process from a worker thread still holding tensors (SIGABRT, "terminate
+    called without an active exception": pytorch/pytorch#190489), which the launcher reports as a failed rank."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def follow(runner: ShardedKVRunner, ranks: Ranks) -> None:
