@@ -117,7 +117,9 @@ class Runtime(_Model):
     parallelism: Parallelism = Field(
         default=Parallelism.single,
         description="Multi-GPU shape: single, tensor, pipeline, data, or sharded-kv (replicated weights, KV sharded "
-        "across GPUs, exact softmax merge).",
+        "across GPUs, exact softmax merge). data: runtime.ranks full copies in one pod, each serving its own sessions "
+        "on port spec.port + its index (the operator binds each Session to one copy); a throughput shape, never a "
+        "single-session gain.",
     )
     ranks: int | None = Field(
         default=None,
@@ -201,6 +203,12 @@ CELL_SPEC_RULES: list[Any] = [
         "!has(self.runtime.ranks) || self.topology.gpus == 0 || self.runtime.ranks == self.topology.gpus",
         "a GPU cell runs one rank per GPU: runtime.ranks must equal topology.gpus or be omitted",
         field_path=".runtime.ranks",
+    ),
+    cel(
+        "self.runtime.parallelism != 'data'"
+        " || self.port + (has(self.runtime.ranks) ? self.runtime.ranks : self.topology.gpus) <= 65536",
+        "a data-parallel cell's copy i listens on spec.port + i: spec.port plus its copies must stay within 65535",
+        field_path=".port",
     ),
     cel(
         "self.topology.gpus != 0 || self.topology.interconnect == 'none'",
@@ -309,6 +317,10 @@ class Endpoint(_Model):
     node: str | None = Field(default=None, description="Node the pod runs on.")
     url: str | None = Field(default=None, description="Base URL of the worker's HTTP API.")
     ready: bool = Field(default=False, description="The worker answered /readyz.")
+    copyIndex: int | None = Field(
+        default=None, ge=0, description="Which copy of a data-parallel pod this endpoint is (runtime.parallelism data: "
+        "copy i listens on spec.port + i); absent for other cells."
+    )
     refusal: str | None = Field(
         default=None, description="Why the worker refused its cell spec at start (it stays up, not ready, and says so)."
     )

@@ -36,6 +36,10 @@ class Unserved:
         return f"spec.{self.field} {self.value!r} is not served: {self.reason}"
 
 
+# The shapes whose ranks serve one session together (over a process group); data parallel's copies each serve their
+# own sessions and serve every profile a single-rank cell serves.
+SPLIT_SHAPES = (Parallelism.sharded_kv.value, Parallelism.tensor.value, Parallelism.pipeline.value)
+
 LOSSY_KV = (KVPrecision.int8.value, KVPrecision.fp8_e4m3.value, KVPrecision.int4.value)
 
 # Weight formats the worker computes from: dequantized at load to the compute dtype (bf16 / fp32), or used as is.
@@ -46,11 +50,9 @@ REASONS = {
                      "(use topology.gpus 0 for a CPU cell, or runtime.backend triton for a GPU cell)",
     "topology.gpus.single": "a single-process triton cell computes on one GPU: the others would sit idle (use "
                             "topology.gpus 1; multi-rank shapes are not built yet)",
-    "runtime.parallelism": "data parallel cells are not built yet (use replicas: copies of a single-rank cell; "
-                           "sharded-kv, tensor and pipeline are served over CPU ranks)",
-    "runtime.parallelism.gpus": "sharded-kv, tensor and pipeline parallel are served over CPU ranks (topology.gpus 0, "
-                                "runtime.ranks N, gloo); their GPU ranks (NCCL, runtime.backend triton) are not built "
-                                "yet",
+    "runtime.parallelism.gpus": "sharded-kv, tensor, pipeline and data parallel are served over CPU ranks "
+                                "(topology.gpus 0, runtime.ranks N; gloo where the ranks talk); their GPU ranks (one "
+                                "per GPU, NCCL, runtime.backend triton) are not built yet",
     "runtime.ranks": "a CPU cell with a multi-rank parallelism states how many CPU ranks it runs: runtime.ranks of at "
                      "least 2",
     "profile.kv.sharded": "the sharded-KV runner reads fp32 / bf16 / fp16 / int8 / fp8 caches, not packed rotated int4",
@@ -76,11 +78,8 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("topology.gpus", "0", "the triton backend runs on GPUs: topology.gpus must be at least 1"))
     elif backend == Backend.triton.value and gpus > 1 and parallelism == Parallelism.single.value:
         out.append(Unserved("topology.gpus", str(gpus), REASONS["topology.gpus.single"]))
-    multi_served = (Parallelism.sharded_kv.value, Parallelism.tensor.value, Parallelism.pipeline.value)
-    if parallelism in multi_served and gpus >= 1:
+    if parallelism != Parallelism.single.value and gpus >= 1:
         out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism.gpus"]))
-    elif parallelism not in (Parallelism.single.value, *multi_served):
-        out.append(Unserved("runtime.parallelism", parallelism, REASONS["runtime.parallelism"]))
     if parallelism != Parallelism.single.value and gpus == 0 and (spec.runtime.ranks or 1) < 2:   # the CEL rule too
         out.append(Unserved("runtime.ranks", str(spec.runtime.ranks), REASONS["runtime.ranks"]))
     if weights not in SERVED_WEIGHTS:
@@ -92,7 +91,7 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv.sharded"]))
     elif parallelism in (Parallelism.tensor.value, Parallelism.pipeline.value) and kv in LOSSY_KV:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv.split"]))
-    if parallelism in multi_served and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
+    if parallelism in SPLIT_SHAPES and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
         out.append(Unserved("profile.attention", "block-sparse", REASONS["profile.attention.sharded"]))
     return out
 
@@ -122,7 +121,7 @@ def not_served() -> list[str]:
                  if any(u.field == "profile.kv" for u in unserved(_probe("profile.kv", v.value, backend="triton")))]
     if triton_kv:
         out.append(f"profile.kv: {', '.join(triton_kv)} with runtime.backend triton")
-    for shape in (Parallelism.sharded_kv.value, Parallelism.tensor.value, Parallelism.pipeline.value):
+    for shape in (*SPLIT_SHAPES, Parallelism.data.value):
         cpu_ranks = {"runtime": {"backend": "torch", "parallelism": shape, "ranks": 2}}
         if any(u.field == "runtime.parallelism" for u in unserved(_probe(
                 "topology.gpus", 2, sections={"runtime": {"backend": "triton", "parallelism": shape},

@@ -50,8 +50,7 @@ def capability(e: Engine) -> dict:
                "max_tokens_in_budget": e.kv.max_tokens, "num_blocks": kvs["num_blocks"],
                "free_blocks": kvs["free_blocks"], "usage_ratio": kvs["usage_ratio"],
                "full_context_sessions": e.kv.max_tokens // e.context_tier},
-        "parallel": (e.runner.report() if hasattr(e.runner, "report")
-                     else {"shape": e.config.parallelism, "ranks": e.config.ranks}),
+        "parallel": parallel_report(e),
         "memory": {"weights_bytes": weights_bytes, "kv_budget_bytes": e.kv.budget_bytes, "rss_bytes": rss},
         "runtime": {"backend": e.identity["backend"], "version": __version__, "torch": torch.__version__,
                     "device": str(e.kv.device), "device_name": device_name(e.kv.device),
@@ -92,6 +91,20 @@ def capability(e: Engine) -> dict:
         "unsupported": unsupported(),
         "ready": e.ready,
     }
+
+def parallel_report(e: Engine) -> dict:
+    """The cell's shape: a multi-rank runner reports its own; a data-parallel copy says which it is."""
+    if hasattr(e.runner, "report"):
+        return e.runner.report()
+    c = e.config
+    if c.parallelism == "data":
+        return {"shape": "data", "copies": c.ranks, "copy": c.copy,
+                "sessions": "each copy serves its own sessions from its own KV pool, on spec.port + copy; the "
+                            "operator binds each Session to one copy",
+                "max_tokens_per_copy": e.kv.max_tokens,
+                "certification": "one copy is measured: the copies add sessions served, never a single-session gain"}
+    return {"shape": c.parallelism, "ranks": c.ranks}
+
 
 @functools.cache
 def device_name(dev: torch.device) -> str:

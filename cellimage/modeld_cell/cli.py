@@ -85,8 +85,13 @@ def model_name(spec: dict[str, Any]) -> str:
     return stem or str(spec.get("model", {}).get("family", ""))
 
 
+def parallelism(spec: dict[str, Any]) -> str:
+    return str(spec.get("runtime", {}).get("parallelism", "single"))
+
+
 def multi_rank(spec: dict[str, Any]) -> bool:
-    return spec.get("runtime", {}).get("parallelism", "single") != "single"
+    """Ranks that serve sessions together: rank 0 serves HTTP and drives, the others follow it."""
+    return parallelism(spec) not in ("single", "data")
 
 
 def engine_settings(spec: dict[str, Any], settings: Settings) -> Any:
@@ -95,7 +100,7 @@ def engine_settings(spec: dict[str, Any], settings: Settings) -> Any:
     out = EngineSettings.from_env()
     if settings.threads:
         out.threads = settings.threads  # MODELD_THREADS, validated by Settings
-    elif multi_rank(spec):              # the node's cores shared by the ranks the launcher started on it
+    elif parallelism(spec) != "single":  # the node's cores shared by the ranks the launcher started on it
         out.threads = max(1, out.threads // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     return out
 
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if settings.port is None:
         settings = dataclasses.replace(settings, port=int(spec.get("port", 8080)))
+    if parallelism(spec) == "data" and "RANK" in os.environ:
+        # copy i of a data-parallel cell serves on port + i (the operator lists one endpoint per copy); started
+        # without the launcher, the engine refuses runtime.ranks on every route of the base port
+        settings = dataclasses.replace(settings, port=settings.port + int(os.environ["RANK"]))
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(serve(settings, spec))
     return 0

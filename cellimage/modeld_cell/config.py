@@ -122,6 +122,7 @@ class CellConfig:
     context_tier: int = 0                 # tokens per session: the spec's contextTier (a test sibling may shrink it)
     parallelism: str = "single"           # runtime.parallelism
     ranks: int = 1                        # processes over torch.distributed: runtime.ranks, else topology.gpus
+    copy: int = 0                         # data parallel: which of the ranks copies this process is (loader)
 
     @classmethod
     def from_spec(cls, spec: CellSpec | Mapping[str, Any]) -> CellConfig:

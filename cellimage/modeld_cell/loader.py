@@ -173,7 +173,12 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
     settings = settings or EngineSettings.from_env()
     torch.set_num_threads(settings.threads)
     rk = None
-    if cfg.parallelism != "single":                  # served: sharded-kv, tensor (modeld_api.served)
+    if cfg.parallelism == "data":
+        # a copy: a single-rank engine of its own, serving its own sessions (cli.serve puts it on spec.port + copy);
+        # no process group: the copies never talk, the launcher only starts them and stops them together
+        from .parallel.ranks import launched
+        cfg.copy = launched(cfg.ranks)
+    elif cfg.parallelism != "single":                # sharded-kv, tensor, pipeline (modeld_api.served)
         from .parallel import ranks
         rk = ranks.join(cfg.ranks, cfg.device, settings.collective_timeout_s)
         if rk.rank != 0:

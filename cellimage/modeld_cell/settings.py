@@ -25,7 +25,8 @@ class Settings:
     """MODELD_CELL_HOST: address the HTTP server binds."""
 
     port: int | None = None
-    """MODELD_CELL_PORT: TCP port the HTTP server listens on; unset, the Cell's ``spec.port`` (default 8080)."""
+    """MODELD_CELL_PORT: TCP port the HTTP server listens on; unset, the Cell's ``spec.port`` (default 8080). A
+    data-parallel copy listens on this port + its index (the launcher's RANK)."""
 
     model_path: str | None = None
     """MODELD_MODEL_PATH: a local weights file that overrides resolving ``spec.model.ref`` (e.g. the GGUF itself)."""

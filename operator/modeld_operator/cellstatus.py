@@ -33,6 +33,14 @@ class Derived:
     ready: Verdict
 
 
+def ready_pods(endpoints: list[api.Endpoint]) -> int:
+    """Pods whose every endpoint answers (a data-parallel pod lists one per copy)."""
+    pods: dict[str, bool] = {}
+    for e in endpoints:
+        pods[e.pod] = pods.get(e.pod, True) and e.ready
+    return sum(pods.values())
+
+
 def derive(o: Observed) -> Derived:
     """Phase and conditions. A Cell with an unserved value is Refused (no pods are made for it); a worker that
     refused its spec at start makes the Cell Failed with the worker's words; otherwise placement and readiness."""
@@ -43,8 +51,8 @@ def derive(o: Observed) -> Derived:
         return Derived("Refused", (False, "ValueNotServed", why), (False, "NotServed", no_pods),
                        (False, "NotServed", no_pods))
     served: Verdict = (True, "Served", "every spec value is served by this worker version")
-    ready = sum(1 for e in o.endpoints if e.ready)
-    scheduled = sum(1 for e in o.endpoints if e.node)
+    ready = ready_pods(o.endpoints)
+    scheduled = len({e.pod for e in o.endpoints if e.node})
     refusals = sorted({e.refusal for e in o.endpoints if e.refusal})
     sched: Verdict
     if o.replicas == 0:
@@ -64,5 +72,8 @@ def derive(o: Observed) -> Derived:
     if refusals:
         return Derived("Failed", served, sched, (False, "WorkerRefusedSpec", "; ".join(refusals)))
     ok = ready >= o.replicas > 0
-    return Derived(phase, served, sched, (ok, "WorkersReady" if ok else "WorkersNotReady",
-                                          f"{ready}/{o.replicas} workers answer /readyz"))
+    copies = len(o.endpoints) // max(1, len({e.pod for e in o.endpoints}))
+    answering = (f"{sum(1 for e in o.endpoints if e.ready)}/{len(o.endpoints)} data-parallel copies answer /readyz "
+                 f"({ready}/{o.replicas} pods with every copy ready)" if copies > 1
+                 else f"{ready}/{o.replicas} workers answer /readyz")
+    return Derived(phase, served, sched, (ok, "WorkersReady" if ok else "WorkersNotReady", answering))

@@ -26,10 +26,14 @@ DEFAULT_TIERS = (1024, 4096, 8192, 32768, 131072)
 
 def topology_of(spec: api.CellSpec, node_labels: dict[str, str]) -> str:
     """The topology a measurement stands for: GPU count, product and interconnect, or the CPU (with its ranks when the
-    cell runs several: CPU ranks over gloo are a topology of their own)."""
+    cell runs several: CPU ranks over gloo are a topology of their own, and so are a data-parallel cell's copies,
+    which share the node's cores)."""
     if spec.topology.gpus == 0:
-        ranks = spec.runtime.ranks or 1
-        return "cpu" if ranks == 1 or api.enum_value(spec.runtime.parallelism) == "single" else f"cpu x{ranks} ranks"
+        ranks, shape = spec.runtime.ranks or 1, api.enum_value(spec.runtime.parallelism)
+        if ranks == 1 or shape == "single":
+            return "cpu"
+        # a data-parallel copy is measured alone, on its share of the node's cores
+        return f"cpu x{ranks} copies" if shape == "data" else f"cpu x{ranks} ranks"
     product = node_labels.get(api.LABEL_GPU_PRODUCT, "unknown-gpu")
     return f"{spec.topology.gpus}x {product} {spec.topology.interconnect}"
 

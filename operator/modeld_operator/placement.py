@@ -131,13 +131,26 @@ def node_affinity(spec: api.CellSpec) -> dict[str, Any]:
     return {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}
 
 
+def ranks_of(spec: api.CellSpec) -> int:
+    """Processes in the cell pod: 1, or runtime.ranks (topology.gpus when omitted) for a multi-rank parallelism."""
+    if api.enum_value(spec.runtime.parallelism) == api.Parallelism.single.value:
+        return 1
+    return spec.runtime.ranks or spec.topology.gpus
+
+
+def copies_of(spec: api.CellSpec) -> int:
+    """Endpoints per pod: a data-parallel cell's copies each serve on spec.port + i; every other cell serves one."""
+    return ranks_of(spec) if api.enum_value(spec.runtime.parallelism) == api.Parallelism.data.value else 1
+
+
 def worker_command(spec: api.CellSpec) -> list[str]:
     """The worker's command: one process, or one per rank started by torch's own launcher (rank 0 serves HTTP, the
-    others follow it; a rank that exits makes the launcher stop the rest and exit, so the container restarts them
-    together). ``--standalone``: the ranks meet on a free local port inside the pod."""
-    if api.enum_value(spec.runtime.parallelism) == api.Parallelism.single.value:
+    others follow it; a data-parallel cell's ranks are copies, each serving on spec.port + rank; a rank that exits
+    makes the launcher stop the rest and exit, so the container restarts them together). ``--standalone``: the
+    ranks meet on a free local port inside the pod."""
+    ranks = ranks_of(spec)
+    if ranks == 1:
         return ["modeld-cell", "serve"]
-    ranks = spec.runtime.ranks or spec.topology.gpus
     return ["python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
             "-m", "modeld_cell", "serve"]
 
@@ -169,7 +182,8 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
         "name": "worker",
         "image": spec.image,
         "command": worker_command(spec),
-        "ports": [{"name": "http", "containerPort": spec.port}],
+        "ports": [{"name": "http", "containerPort": spec.port}]
+                 + [{"name": f"http-copy{i}", "containerPort": spec.port + i} for i in range(1, copies_of(spec))],
         "env": env,
         "resources": {k: v for k, v in resources.items() if v},
         "readinessProbe": probe,

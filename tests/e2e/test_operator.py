@@ -287,3 +287,40 @@ def test_a_sharded_kv_cell_runs_its_cpu_ranks_serves_from_rank_0_and_is_certifie
     assert cert["topology"] == "cpu x2 ranks" and cert["summary"]["baseline"] == "solo", cert
     for name in ("sharded", "solo"):
         cluster.kubectl("delete", "cell", name, "-n", namespace, "--timeout=60s")
+
+
+def test_a_data_parallel_cell_lists_a_copy_per_endpoint_and_spreads_sessions_over_them(cluster, operator, namespace):
+    """One pod, two copies under torch's launcher, each on its own port of the pod IP; the Cell's status lists an
+    endpoint per copy, and Sessions bound one after the other land on different copies (each copy holds only its
+    own). Certification measures one copy, under its own topology, "cpu x2 copies"."""
+    obj = cpu_cell("dp", 1024)
+    obj["spec"]["runtime"] = {"backend": "torch", "parallelism": "data", "ranks": 2}
+    cluster.apply(obj, namespace)
+    st = wait_until("both copies answer",
+                    lambda: (s := status_of(cluster, namespace, "cell", "dp")).get("phase") == "Ready" and s,
+                    timeout=300)
+    (pod,) = pods_of(cluster, namespace, "dp")
+    container = pod["spec"]["containers"][0]
+    assert "--nproc-per-node=2" in container["command"]
+    assert [p["containerPort"] for p in container["ports"]] == [8080, 8081]
+    eps = st["endpoints"]
+    assert [e.get("copyIndex") for e in eps] == [0, 1] and all(e["ready"] for e in eps), eps
+    assert {e["pod"] for e in eps} == {pod["metadata"]["name"]} and eps[0]["url"] != eps[1]["url"]
+    assert st["readyReplicas"] == 1
+
+    bound = []
+    for name in ("first", "second"):       # one after the other: the binding counts the cell's sessions
+        cluster.apply(session(name, 512), namespace)
+        bound.append(wait_until(f"{name} bound", lambda n=name: (s := status_of(cluster, namespace, "session", n))
+                                .get("phase") == "Bound" and s, timeout=400, interval=2))
+    assert {b["endpoint"] for b in bound} == {e["url"] for e in eps}, bound
+    for b in bound:
+        post(f"{b['endpoint']}/v1/sessions/{b['sessionId']}/prefix", {"text": "The capital of France is"})
+        with urllib.request.urlopen(f"{b['endpoint']}/v1/sessions", timeout=10) as resp:
+            held = [x["session_id"] for x in json.loads(resp.read())["sessions"]]
+        assert held == [b["sessionId"]], (b, held)
+    cert = status_of(cluster, namespace, "cell", "dp")["certification"]
+    assert cert["topology"] == "cpu x2 copies", cert
+    for name in ("first", "second"):
+        cluster.kubectl("delete", "session", name, "-n", namespace, "--timeout=60s")
+    cluster.kubectl("delete", "cell", "dp", "-n", namespace, "--timeout=60s")

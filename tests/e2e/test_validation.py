@@ -68,6 +68,12 @@ MALFORMED = [
         "runtime.ranks must equal topology.gpus",
     ),
     (
+        "data-copies-past-the-last-port",
+        edit(edit(edit(CELL, "spec.runtime", {"backend": "torch", "parallelism": "data", "ranks": 4}), "spec.topology",
+                  {"gpus": 0, "interconnect": "none"}), "spec.port", 65533),
+        "spec.port plus its copies must stay within 65535",
+    ),
+    (
         "cpu-cell-with-link",
         edit(edit(CELL, "spec.runtime.backend", "torch"), "spec.topology", {"gpus": 0, "interconnect": "pcie"}),
         "a CPU cell (topology.gpus: 0) has no GPU interconnect",

@@ -49,3 +49,15 @@ def test_phase_and_conditions(obs, phase, sched, ready):
         assert d.scheduled[2] == "1/2 pods scheduled: 0/3 nodes: Insufficient nvidia.com/gpu"
     if phase == "Unschedulable" and not obs.schedulable:
         assert d.scheduled == (False, "NoMatchingNodes", "no node offers 16 GPUs")
+
+
+def test_a_data_parallel_pod_is_ready_when_every_copy_answers():
+    def copy(i: int, ready: bool) -> api.Endpoint:
+        return api.Endpoint(pod="p0", node="n0", url=f"http://127.30.0.1:{8080 + i}", ready=ready, copyIndex=i)
+
+    d = derive(Observed(1, True, "", [copy(0, True), copy(1, False)]))
+    assert d.phase == "Scheduled" and d.ready == (False, "WorkersNotReady", "1/2 data-parallel copies answer /readyz "
+                                                  "(0/1 pods with every copy ready)")
+    assert d.scheduled == (True, "Scheduled", "1 pod(s) on n0")
+    d = derive(Observed(1, True, "", [copy(0, True), copy(1, True)]))
+    assert d.phase == "Ready" and d.ready[0] is True

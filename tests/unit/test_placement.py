@@ -145,6 +145,21 @@ def test_a_multi_rank_cell_runs_one_process_per_rank_under_torchs_launcher(runti
         assert cmd[-3:] == ["-m", "modeld_cell", "serve"] and "--max-restarts=0" in cmd
 
 
+def test_a_data_parallel_pod_runs_its_copies_under_the_launcher_and_exposes_a_port_per_copy():
+    spec = cell_spec(runtime={"backend": "torch", "parallelism": "data", "ranks": 3},
+                     topology={"gpus": 0, "interconnect": "none"}, port=9000)
+    container = placement.pod_template("c", "ns", spec)["spec"]["containers"][0]
+    assert container["command"][:3] == ["python", "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=3" in container["command"]
+    assert [p["containerPort"] for p in container["ports"]] == [9000, 9001, 9002]
+    assert len({p["name"] for p in container["ports"]}) == 3 and all(len(p["name"]) <= 15 for p in container["ports"])
+    assert placement.copies_of(spec) == 3
+    sharded = cell_spec(runtime={"backend": "torch", "parallelism": "sharded-kv", "ranks": 3},
+                        topology={"gpus": 0, "interconnect": "none"})
+    assert placement.copies_of(sharded) == 1       # its ranks serve one endpoint together (rank 0)
+    assert len(placement.pod_template("c", "ns", sharded)["spec"]["containers"][0]["ports"]) == 1
+
+
 # --- sessions -----------------------------------------------------------------------------------------------------
 
 EP = [api.Endpoint(pod="p0", url="http://127.20.0.2:8080", ready=True)]
@@ -169,6 +184,17 @@ def test_binds_tightest_fitting_least_loaded():
     assert placement.choose_cell(session(), cells).cell.name == "small"
     cells[1].sessions = 3
     assert placement.choose_cell(session(), cells).cell.name == "mid"
+
+
+def test_sessions_spread_over_a_data_parallel_cells_copies():
+    """The binding's round robin over ready endpoints is what spreads sessions over the copies."""
+    copies = [api.Endpoint(pod="p0", url=f"http://127.20.0.2:{8080 + i}", ready=True, copyIndex=i) for i in range(2)]
+    cell = view("dp", endpoints=copies)
+    urls = []
+    for n in range(4):
+        cell.sessions = n
+        urls.append(placement.choose_cell(session(), [cell]).endpoint.url)
+    assert urls == ["http://127.20.0.2:8080", "http://127.20.0.2:8081"] * 2
 
 
 def test_no_fit_reasons():

@@ -38,10 +38,7 @@ def spec_with(path: str, value: str) -> dict:
 # (field, value) -> the field the refusal names, or None: served. This table is the product's current promise.
 EXPECTED = {
     **{("runtime.backend", v.value): None for v in api.Backend},
-    **{("runtime.parallelism", v.value): (None if v in (api.Parallelism.single, api.Parallelism.sharded_kv,
-                                                     api.Parallelism.tensor, api.Parallelism.pipeline)
-                                          else "runtime.parallelism")
-       for v in api.Parallelism},
+    **{("runtime.parallelism", v.value): None for v in api.Parallelism},       # on CPU ranks (spec_with: ranks 2)
     **{("topology.interconnect", v.value): (None if v is api.Interconnect.none else "topology.gpus")
        for v in api.Interconnect},
     **{("model.format", v.value): None for v in api.ModelFormat},
@@ -89,7 +86,8 @@ def test_gpus_with_the_torch_backend_are_refused():
 @pytest.mark.parametrize("edit, field, kind", [
     ({"runtime": {"backend": "torch-cpu"}}, "runtime.backend", "bad_request"),
     ({"runtime": {"backend": "triton"}}, "topology.gpus", "unsupported"),
-    ({"runtime": {"backend": "torch", "parallelism": "data", "ranks": 2}}, "runtime.parallelism", "unsupported"),
+    ({"runtime": {"backend": "triton", "parallelism": "data"}, "topology": {"gpus": 2, "interconnect": "nvlink"}},
+     "runtime.parallelism", "unsupported"),
     ({"topology": {"gpus": 1, "interconnect": "none"}}, "topology.gpus", "unsupported"),
     ({"contextTier": "8k"}, "contextTier", "bad_request"),
     ({"profile": {"prefixReuse": "off"}}, "profile.prefixReuse", "bad_request"),
@@ -117,7 +115,7 @@ def test_the_capability_report_lists_exactly_the_values_refused():
         if path in ("runtime.backend", "runtime.parallelism", "profile.weights"):
             named = path in by_field and value in [v.strip() for v in by_field[path].split(",")]
             assert named is (want == path), (path, value, by_field.get(path))
-    assert set(by_field) == {"runtime.parallelism", "profile.weights"}, lines
+    assert set(by_field) == {"profile.weights"}, lines
     assert "topology.gpus: >= 1 with runtime.backend torch" in lines
     assert "topology.gpus: >= 2 with runtime.backend triton and runtime.parallelism single" in lines
     assert "profile.kv: int4 with runtime.backend triton" in lines
@@ -125,6 +123,8 @@ def test_the_capability_report_lists_exactly_the_values_refused():
         assert f"runtime.parallelism: {shape} with topology.gpus >= 1" in lines
         assert f"profile.kv: {kv} with runtime.parallelism {shape}" in lines
         assert f"profile.attention: block-sparse with runtime.parallelism {shape}" in lines
+    assert "runtime.parallelism: data with topology.gpus >= 1" in lines     # its copies serve every CPU profile
+    assert not [ln for ln in lines if ln.endswith("with runtime.parallelism data")], lines
     assert len(lines) == 14, lines
 
 
@@ -141,6 +141,24 @@ SHARDED = {**CPU, "runtime": {"backend": "torch", "parallelism": "sharded-kv", "
 ], ids=["cpu-ranks", "no-ranks", "gpu-ranks", "int4", "block-sparse"])
 def test_a_sharded_kv_cell_is_served_on_cpu_ranks_and_refuses_what_its_runner_lacks(edit, field):
     got = unserved(api.parse_cell_spec({**SHARDED, **edit}))
+    assert [u.field for u in got] == ([field] if field else []), got
+
+
+DATA = {**CPU, "runtime": {"backend": "torch", "parallelism": "data", "ranks": 2}}
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({}, None),
+    ({"profile": {"kv": "int4"}}, None),
+    ({"profile": {"kv": "int8"}}, None),
+    ({"profile": {"attention": "block-sparse"}, "contextTier": 8192}, None),
+    ({"runtime": {"backend": "torch", "parallelism": "data"}}, "runtime.ranks"),
+    ({"runtime": {"backend": "triton", "parallelism": "data"}, "topology": {"gpus": 2, "interconnect": "nvlink"}},
+     "runtime.parallelism"),
+], ids=["cpu-copies", "int4", "int8", "block-sparse", "no-ranks", "gpu-copies"])
+def test_a_data_parallel_cell_serves_every_single_rank_profile_on_cpu_copies(edit, field):
+    """Its copies are single-rank engines that never talk: what one rank serves, each copy serves."""
+    got = unserved(api.parse_cell_spec({**DATA, **edit}))
     assert [u.field for u in got] == ([field] if field else []), got
 
 

@@ -85,8 +85,11 @@ def topology_string(spec: dict[str, Any] | None, cap: dict[str, Any]) -> str:
     if gpus is None:
         return str(cap.get("runtime", {}).get("device", "unknown"))
     if gpus == 0:
-        ranks = ((spec or {}).get("runtime") or {}).get("ranks") or 1
-        return "cpu" if ranks == 1 else f"cpu x{ranks} ranks"
+        rt = (spec or {}).get("runtime") or {}
+        ranks = rt.get("ranks") or 1
+        if ranks == 1:
+            return "cpu"
+        return f"cpu x{ranks} copies" if rt.get("parallelism") == "data" else f"cpu x{ranks} ranks"
     products = topo.get("products") or []
     return f"{gpus}x {products[0] if products else 'gpu'} {topo.get('interconnect', 'unknown')}"
 

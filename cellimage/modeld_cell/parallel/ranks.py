@@ -49,10 +49,9 @@ class Ranks:
     ctrl: dist.ProcessGroup                # gloo, rank 0's messages
 
 
-def join(ranks: int, device: str, timeout_s: int) -> Ranks:
-    """Join the cell's process group as the launcher started this process (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
-    environment). Unsupported, naming the field, when the process was not started so or the world differs from the
-    spec's ranks; idempotent within a process."""
+def launched(ranks: int) -> int:
+    """This process's rank as torch's launcher started it (RANK, WORLD_SIZE in the environment); Unsupported, naming
+    the field, when it was not started so or the world differs from the spec's ranks."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise errors.Unsupported(
             f"runtime.ranks {ranks}: a multi-rank cell runs one process per rank under torch's launcher; start the "
@@ -61,6 +60,14 @@ def join(ranks: int, device: str, timeout_s: int) -> Ranks:
     if world != ranks:
         raise errors.Unsupported(f"runtime.ranks {ranks}, but the launcher started {world} processes",
                                  field="runtime.ranks", value=str(ranks))
+    return int(os.environ["RANK"])
+
+
+def join(ranks: int, device: str, timeout_s: int) -> Ranks:
+    """Join the cell's process group as the launcher started this process (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
+    environment). Unsupported, naming the field, when the process was not started so or the world differs from the
+    spec's ranks; idempotent within a process."""
+    launched(ranks)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
         if backend == "nccl":
@@ -68,7 +75,7 @@ def join(ranks: int, device: str, timeout_s: int) -> Ranks:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     assert isinstance(ctrl, dist.ProcessGroup)       # every rank is a member
-    return Ranks(dist.get_rank(), world, backend, timeout_s, ctrl)
+    return Ranks(dist.get_rank(), ranks, backend, timeout_s, ctrl)
 
 
 class Driving(TorchRunner):

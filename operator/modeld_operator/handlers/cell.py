@@ -25,25 +25,33 @@ def parse_spec(spec: Any) -> api.CellSpec:
         raise kopf.PermanentError(f"invalid Cell spec: {exc}") from exc
 
 
-def _pod_endpoint(pod: dict[str, Any], port: int) -> tuple[api.Endpoint | None, str | None]:
-    """The pod's worker endpoint, or why the scheduler could not place it."""
+def _pod_endpoints(pod: dict[str, Any], port: int, copies: int = 1) -> tuple[list[api.Endpoint], str | None]:
+    """The pod's worker endpoints (one; a data-parallel pod's copies, copy i on port + i), or why the scheduler
+    could not place it."""
     status, meta, spec = pod.get("status") or {}, pod["metadata"], pod.get("spec") or {}
     conds = {c["type"]: c for c in status.get("conditions") or []}
     sched = conds.get("PodScheduled")
     if sched and sched.get("status") == "False":
-        return None, sched.get("message") or sched.get("reason") or "unschedulable"
+        return [], sched.get("message") or sched.get("reason") or "unschedulable"
+    index = (lambda i: i) if copies > 1 else (lambda i: None)
     ip = status.get("podIP")
     if not ip or status.get("phase") != "Running" or meta.get("deletionTimestamp"):
-        return api.Endpoint(pod=meta["name"], node=spec.get("nodeName")), None
-    url = f"http://{ip}:{port}"
-    ready = conds.get("Ready", {}).get("status") == "True"
-    refusal = None
-    if SETTINGS.probe_endpoints:
-        # asked even when the kubelet says not ready: a worker that refused its spec says why on /readyz
-        code, body = kube.http_json("GET", f"{url}/readyz", SETTINGS.probe_timeout)
-        ready = ready and code == 200
-        refusal = worker_refusal(code, body)
-    return api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), url=url, ready=ready, refusal=refusal), None
+        return [api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), copyIndex=index(i))
+                for i in range(copies)], None
+    out = []
+    for i in range(copies):
+        url = f"http://{ip}:{port + i}"
+        # the kubelet probes copy 0's port; every copy answers its own /readyz below
+        ready = conds.get("Ready", {}).get("status") == "True"
+        refusal = None
+        if SETTINGS.probe_endpoints:
+            # asked even when the kubelet says not ready: a worker that refused its spec says why on /readyz
+            code, body = kube.http_json("GET", f"{url}/readyz", SETTINGS.probe_timeout)
+            ready = ready and code == 200
+            refusal = worker_refusal(code, body)
+        out.append(api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), url=url, ready=ready, refusal=refusal,
+                                copyIndex=index(i)))
+    return out, None
 
 
 def worker_refusal(code: int, body: Any) -> str | None:
@@ -116,12 +124,11 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
     endpoints: list[api.Endpoint] = []
     unschedulable: list[str] = []
     for pod in pods:
-        endpoint, why = _pod_endpoint(pod, spec.port)
-        if endpoint:
-            endpoints.append(endpoint)
+        eps, why = _pod_endpoints(pod, spec.port, placement.copies_of(spec))
+        endpoints += eps
         if why:
             unschedulable.append(why)
-    ready = sum(1 for e in endpoints if e.ready)
+    ready = cellstatus.ready_pods(endpoints)
     sessions = len(kube.list_objects("sessions", namespace, f"{api.LABEL_CELL}={name}"))
     generation = body.get("metadata", {}).get("generation")
     old = dict(body.get("status") or {})
