@@ -8,7 +8,8 @@ Two runs of the real SmolLM2-135M-Instruct (weights and KV as --weights / --kv),
     the ranks (at least one thread each: more ranks than cores oversubscribe them, and the JSON says so).
 At each --contexts length (real text, a cold session): the prompt is prefilled and --decode-tokens greedy tokens
 decoded; recorded are first output (prefill + first token, ms), decode ms/token (p50), and for the multi-rank cell
-the time rank 0 spent in collectives per decode step (its share of the step). A length a run cannot hold is
+the time rank 0 spent in collectives per decode step (its share of the step; a pipeline's transfers, with its wait
+for the other ranks' compute apart as the bubble). A length a run cannot hold is
 recorded as its Overflow. Writes JSON (--out) with the command, the machine and both runs.
 
     PYTHONPATH=cellimage:api .venv/bin/python benchmarks/multi_rank_cpu.py --shape sharded-kv --ranks 2 \
@@ -56,7 +57,8 @@ async def measure(eng, a: argparse.Namespace) -> dict:
     eng.close_session("warm")
     for n in (int(x) for x in a.contexts.split(",")):
         runner = eng.runner
-        before = dict(getattr(runner, "collective_s", {})), dict(getattr(runner, "forwards", {}))
+        before = (dict(getattr(runner, "collective_s", {})), dict(getattr(runner, "forwards", {})),
+                  dict(getattr(runner, "bubble_s", {})))
         t0 = time.perf_counter()
         try:
             await eng.ensure_prefix(f"s{n}", ids[:n])
@@ -77,6 +79,9 @@ async def measure(eng, a: argparse.Namespace) -> dict:
             row["collective_ms_per_decode_step"] = round(coll, 2)
             if row["decode_ms_p50"]:
                 row["collective_share_of_decode"] = round(coll / row["decode_ms_p50"], 3)
+            if before[2]:                # pipeline: rank 0's wait for the other ranks' compute, apart from the transfers
+                bubble = (runner.bubble_s["decode"] - before[2]["decode"]) * 1e3 / max(1, steps)
+                row["bubble_ms_per_decode_step"] = round(bubble, 2)
         eng.close_session(f"s{n}")
         out[n] = row
     return out

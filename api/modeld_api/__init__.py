@@ -346,6 +346,10 @@ class CertificationSummary(_Model):
     baseline: str | None = Field(default=None, description="The baseline cell's name.")
     baselineFirstOutputP90Ms: dict[str, float | None] | None = Field(default=None, description="The baseline's.")
     baselineAgentTurnP50Ms: float | None = Field(default=None, description="The baseline's agent turn p50.")
+    collectiveShare: dict[str, float] | None = Field(
+        default=None, description="Multi-rank cells, per context tier: the share of a decode step rank 0 spent in "
+        "collectives on this topology (the communication check rejects above its threshold)."
+    )
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -57,9 +57,6 @@ REASONS = {
                      "least 2",
     "profile.kv.sharded": "the sharded-KV runner reads fp32 / bf16 / fp16 / int8 / fp8 caches, not packed rotated int4",
     "profile.attention.sharded": "block-sparse prefill is not built across ranks: a multi-rank cell prefills dense",
-    "profile.kv.split": "a lossy KV format is served only where its quality smoke passes, and that smoke runs on one "
-                        "process holding the whole model, which a tensor- or pipeline-parallel rank does not: fp32, "
-                        "bf16 or fp16",
     "profile.weights": "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
                        f"from one of {', '.join(SERVED_WEIGHTS)}",
     "profile.kv": "the triton backend's prefill kernel reads int8 / fp8 caches, not packed rotated int4 (the torch "
@@ -89,8 +86,6 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv"]))
     elif parallelism == Parallelism.sharded_kv.value and kv == KVPrecision.int4.value:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv.sharded"]))
-    elif parallelism in (Parallelism.tensor.value, Parallelism.pipeline.value) and kv in LOSSY_KV:
-        out.append(Unserved("profile.kv", kv, REASONS["profile.kv.split"]))
     if parallelism in SPLIT_SHAPES and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
         out.append(Unserved("profile.attention", "block-sparse", REASONS["profile.attention.sharded"]))
     return out

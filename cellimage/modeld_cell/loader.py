@@ -198,39 +198,63 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
 
     ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers)
     runner = None
-    backend = f"{cfg.backend}-{torch.device(cfg.device).type}"
-    if rk is None:
-        kv: PagedKVCache = _rank_pool(cfg, model)
-    else:
-        from .parallel.ranks import rank_runner
-        probe_model(model)          # on the whole model, before tensor parallel cuts it (Engine reuses the verdict)
-        runner, kv = rank_runner(cfg, model, rk)
-        # the cross-rank sums' order is part of every K/V bit past the first layer: the shape is in the identity
-        backend += f" {cfg.parallelism} x{rk.world}"
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,
         "model_format": ckpt.format, "model_digest": digest, "source_sha256": source_sha,
-        "weights_dtype": cfg.weights, "backend": backend,
+        "weights_dtype": cfg.weights, "backend": f"{cfg.backend}-{torch.device(cfg.device).type}",
         "backend_version": backend_version(cfg.backend), "kv_dtype": cfg.kv,
         "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": sum(p.numel() for p in model.parameters()),        # the whole model's, before any rank cuts it
         "adapter": adapter.describe() if adapter else cfg.adapter,  # ref, file sha256, rank, alpha, scale, ...
         # the artifact as the cell names it (family, ref, digest, format, adapter) plus the file loaded
         "manifest_hash": "sha256:" + hashlib.sha256(json.dumps(
             {"model": cfg.raw["model"], "source_sha256": source_sha},
             sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest(),
     }
+    verdicts = None
+    if rk is None:
+        kv: PagedKVCache = _rank_pool(cfg, model)
+    else:
+        from .parallel.ranks import rank_runner
+        probe_model(model)          # on the whole model, before tensor parallel cuts it (Engine reuses the verdict)
+        if gate and cfg.parallelism in ("tensor", "pipeline") and kv_format(cfg.kv).quant:
+            verdicts = _gate_whole_model(cls, cfg, ckpt.tokenizer, model, identity, settings, quality_cache)
+        runner, kv = rank_runner(cfg, model, rk)
+        # the cross-rank sums' order is part of every K/V bit past the first layer: the shape is in the identity
+        identity["backend"] += f" {cfg.parallelism} x{rk.world}"
     eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings, runner=runner)
     ckpt.tensors.clear()
     try:
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()
-        eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)] if gate else []
+        if verdicts is not None:             # measured on the whole model before the ranks cut it
+            eng.quality = verdicts
+        else:
+            eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)] if gate else []
     except BaseException:
         eng.shutdown()
         raise
     return eng
+
+
+def _gate_whole_model(cls: type[Engine], cfg: CellConfig, tokenizer: Any, model: Transformer, identity: dict,
+                      settings: EngineSettings, quality_cache: str | None) -> list[dict]:
+    """A tensor- or pipeline-parallel cell with a lossy KV format: its quality smoke (profile_gate) on rank 0, on a
+    single-rank engine of the whole model, before the ranks cut it (a rank's cut cannot run the smoke's fp32 reference
+    alone). What it measures is what the ranks store: the format rounds per token, per KV head, per layer, so a
+    pipeline rank stores exactly these bits for its layers and a tensor rank for its heads (up to its split sums'
+    order, ~1e-5 before rounding: docs/parallel.md). The verdict is the single-rank cell's, and its quality cache
+    entry is shared with it. Raises Unsupported, naming profile.kv, when the smoke fails on this machine."""
+    from . import profile_gate
+
+    single = dataclasses.replace(cfg, parallelism="single", ranks=1)
+    eng = cls(model, tokenizer, _rank_pool(single, model), single, dict(identity), settings)
+    try:
+        eng.runner.choose_decode_kernel(eng.settings.decode_attention)
+        return [v.to_dict() for v in profile_gate.require(eng, quality_cache)]
+    finally:
+        eng.shutdown()
 
 
 def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: int | None,

@@ -416,3 +416,34 @@ async def test_block_sparse_suffix_after_long_past(make_engine):
          "passkey_in_own_answer": quality.PASSKEY in tok.decode(cont[:run])}
     print("block-sparse after past (measured, not asserted)", json.dumps(r))
     assert len(agree) == len(cont) + 1 and all(math.isfinite(k) and k >= -1e-9 for k in kls)
+
+
+@pytest.mark.parametrize("shape, ranks", [("pipeline", 2), ("tensor", 3)])
+def test_a_split_cells_lossy_kv_is_gated_on_the_whole_model_before_the_ranks_cut_it(engine, tmp_path, monkeypatch,
+                                                                                   shape, ranks):
+    """Tensor / pipeline parallel with int8 KV: rank 0 measures the smoke on a single-rank engine of the whole loaded
+    model (loader._gate_whole_model, before rank_runner cuts it) and serves or refuses by that verdict."""
+    from modeld_cell import loader
+    from modeld_cell.config import CellConfig
+
+    spec = {**SPEC, "runtime": {"backend": "torch", "parallelism": shape, "ranks": ranks},
+            "profile": {**SPEC["profile"], "kv": "int8"}}
+    cfg = CellConfig.from_spec(spec)
+    seen: list = []
+    calls = _fake_measure(monkeypatch, PASSING)
+    real = profile_gate._measure
+
+    async def measure(eng, profile):
+        seen.append((eng.config.parallelism, eng.model is engine.model, eng.kv.fmt.name, eng.runner.name))
+        return await real(eng, profile)
+
+    monkeypatch.setattr(profile_gate, "_measure", measure)
+    (v,) = loader._gate_whole_model(Engine, cfg, engine.tokenizer, engine.model, dict(engine.identity),
+                                    EngineSettings(threads=1), str(tmp_path / "pass"))
+    assert v["profile"] == "int8" and v["passed"] is True and calls == ["int8"]
+    assert seen == [("single", True, "int8", "torch")]
+    _fake_measure(monkeypatch, FAILING["int8"])
+    with pytest.raises(errors.Unsupported) as ei:
+        loader._gate_whole_model(Engine, cfg, engine.tokenizer, engine.model, dict(engine.identity),
+                                 EngineSettings(threads=1), str(tmp_path / "fail"))
+    assert ei.value.details["field"] == "profile.kv" and ei.value.details["value"] == "int8"

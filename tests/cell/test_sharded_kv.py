@@ -55,9 +55,10 @@ def _torchrun(world: int, script: str, *args: str, timeout: int = 600) -> subpro
 
 
 @pytest.mark.parametrize("shape, world, kv, steps", [("sharded-kv", 2, "fp32", 256), ("sharded-kv", 3, "int8", 32),
-                                                    ("tensor", 3, "fp32", 256), ("pipeline", 2, "fp32", 256)],
+                                                    ("tensor", 3, "fp32", 256), ("tensor", 3, "int8", 32),
+                                                    ("pipeline", 2, "fp32", 256), ("pipeline", 2, "int4", 32)],
                          ids=["sharded-kv-2-ranks-fp32", "sharded-kv-3-ranks-int8", "tensor-3-ranks-fp32",
-                              "pipeline-2-ranks-fp32"])
+                              "tensor-3-ranks-int8", "pipeline-2-ranks-fp32", "pipeline-2-ranks-int4"])
 def test_a_multi_rank_engine_serves_the_contract_exactly_as_one_rank(smollm2_path, tmp_path, shape, world, kv, steps):
     """The engine as the worker builds it (rank 0 drives the pool of every rank's blocks, the others follow): a
     prompt across page and shard boundaries, greedy decode, a suffix after the cached past, a branch through the
@@ -69,6 +70,14 @@ def test_a_multi_rank_engine_serves_the_contract_exactly_as_one_rank(smollm2_pat
     res = json.loads(out.read_text())
     assert res["world"] == world and res["runner"] == shape
     assert res["tokens"] == res["reference_tokens"], res
+    # the counters the certification reads around a decode (the communication check): every step counted, and the
+    # time in collectives summed; a pipeline's wait for the other ranks' compute is its bubble, counted apart
+    par = res["parallel"]
+    assert par["forwards"]["decode"] >= steps and par["collective_ms_total"]["decode"] >= 0, par
+    if shape == "pipeline":
+        assert par["bubble_ms_total"]["decode"] > 0 and par["bubble_ms_per_forward"]["decode"] > 0, par
+    else:
+        assert par["collective_ms_total"]["decode"] > 0, par
     assert len(res["tokens"]["decode"]) == steps
     errs = res["max_abs_logits"]
     assert errs["restored"] is None                 # the snapshot's last token had not run: logits unknown, both sides

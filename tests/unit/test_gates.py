@@ -234,3 +234,68 @@ def test_summary_fits_a_status_and_carries_the_certification_fields():
     cert = api.Certification.model_validate({k: s[k] for k in ("certified", "gate", "reason", "topology", "measuredAt")}
                                             | {"summary": s})
     assert cert.certified
+
+
+# the communication check of a multi-rank cell
+def ranked(collective: dict[int, float | None], decode: float = 100.0) -> CellMeasurements:
+    """A cell that wins the context gate at 8192 (the baseline refuses it), with rank 0's collective ms per decode
+    step measured at each tier."""
+    tiers = {t: tier(p, decode=decode) for t, p in ((1024, 1000), (4096, 5000), (8192, 12000))}
+    for t, c in collective.items():
+        tiers[t].collective_ms = c
+    return cell("ranks", 8192, tiers)
+
+
+REFUSING = cell("base", 8192, {1024: tier(1000), 4096: tier(5000), 8192: tier(None, "refused")})
+
+
+def test_a_multi_rank_cell_whose_collectives_fit_is_kept_with_the_check_in_its_evidence():
+    d = gates.decide(ranked({1024: 10.0, 4096: 20.0, 8192: 30.0}), REFUSING)
+    assert d.certified and d.gate == "context"
+    g = by_gate(d)["communication"]
+    assert g.passed and g.evidence["tier"] == 8192 and g.evidence["share"] == pytest.approx(0.3)
+    assert g.evidence["shares"] == {"1024": 0.1, "4096": 0.2, "8192": 0.3}
+
+
+@pytest.mark.parametrize("at_top, kept", [(50.0, True), (50.1, False), (90.0, False)])
+def test_communication_that_eats_the_gain_rejects_a_cell_a_gate_kept(at_top, kept):
+    """Judged at the largest tier the cell ran at passing quality, where the gain lives; the threshold is inclusive."""
+    d = gates.decide(ranked({1024: 5.0, 8192: at_top}), REFUSING)
+    assert d.certified is kept
+    assert by_gate(d)["context"].passed                  # the gate itself passed either way
+    if not kept:
+        assert d.gate == "communication" and "communication eats the gain" in d.reason and "gate context" in d.reason
+
+
+def test_a_single_rank_cell_has_no_communication_check():
+    d = gates.decide(cell("c", 8192, {1024: tier(1000), 4096: tier(5000), 8192: tier(12000)}), REFUSING)
+    assert d.certified and "communication" not in by_gate(d)
+
+
+def test_the_communication_check_never_rescues_a_cell_no_gate_kept():
+    d = gates.decide(ranked({1024: 1.0, 4096: 1.0, 8192: 1.0}), BASE)     # the baseline runs every tier
+    assert not d.certified and d.gate != "communication" and by_gate(d)["communication"].passed
+
+
+def test_the_summary_carries_the_collective_share_per_tier():
+    section = {"name": "c", "quality": {"passed": True},
+               "tiers": {"1024": {"first_output_ms": {"p90": 10.0}, "passkey": {"found": 1, "runs": 1},
+                                  "decode_ms_per_token": {"p50": 80.0},
+                                  "collective_ms_per_decode_step": {"p50": 20.0}},
+                         "2048": {"first_output_ms": {"p90": 20.0}, "passkey": {"found": 1, "runs": 1},
+                                  "decode_ms_per_token": {"p50": 100.0}}},
+               "agent": {"turn_ms": None},
+               "matrix": {"topology": "cpu x2 ranks", "context_tier": 2048, "model_digest": None}}
+    s = summary_for_status({"schema": "modeld.certification/v1", "workload": {"version": "w"},
+                            "measuredAt": "2026-12-01T00:00:00Z", "cell": section, "baseline": None,
+                            "decision": {"certified": False, "gate": "communication", "reason": "r"}})
+    assert s["collectiveShare"] == {"1024": 0.25}
+
+
+def test_collective_per_step_reads_the_counters_around_a_decode():
+    from modeld_cell.certify.harness import collective_per_step
+
+    before = {"forwards": {"decode": 10}, "collective_ms_total": {"decode": 100.0}}
+    after = {"forwards": {"decode": 42}, "collective_ms_total": {"decode": 260.0}}
+    assert collective_per_step(before, after) == pytest.approx(5.0)
+    assert collective_per_step(before, before) is None

@@ -119,13 +119,14 @@ def test_the_capability_report_lists_exactly_the_values_refused():
     assert "topology.gpus: >= 1 with runtime.backend torch" in lines
     assert "topology.gpus: >= 2 with runtime.backend triton and runtime.parallelism single" in lines
     assert "profile.kv: int4 with runtime.backend triton" in lines
-    for shape, kv in (("sharded-kv", "int4"), ("tensor", "int8, fp8-e4m3, int4"), ("pipeline", "int8, fp8-e4m3, int4")):
+    assert "profile.kv: int4 with runtime.parallelism sharded-kv" in lines
+    for shape in ("sharded-kv", "tensor", "pipeline"):
         assert f"runtime.parallelism: {shape} with topology.gpus >= 1" in lines
-        assert f"profile.kv: {kv} with runtime.parallelism {shape}" in lines
         assert f"profile.attention: block-sparse with runtime.parallelism {shape}" in lines
+    assert not [ln for ln in lines if ln.startswith("profile.kv:") and ("tensor" in ln or "pipeline" in ln)], lines
     assert "runtime.parallelism: data with topology.gpus >= 1" in lines     # its copies serve every CPU profile
     assert not [ln for ln in lines if ln.endswith("with runtime.parallelism data")], lines
-    assert len(lines) == 14, lines
+    assert len(lines) == 12, lines
 
 
 SHARDED = {**CPU, "runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
@@ -170,11 +171,12 @@ PIPELINE = {**CPU, "runtime": {"backend": "torch", "parallelism": "pipeline", "r
 @pytest.mark.parametrize("edit, field", [
     ({}, None),
     ({"profile": {"kv": "bf16"}}, None),
-    ({"profile": {"kv": "int8"}}, "profile.kv"),
+    ({"profile": {"kv": "int8"}}, None),
+    ({"profile": {"kv": "int4"}}, None),
     ({"profile": {"attention": "block-sparse"}}, "profile.attention"),
     ({"topology": {"gpus": 2, "interconnect": "nvlink"}}, "runtime.parallelism"),
-], ids=["cpu-ranks", "bf16", "int8", "block-sparse", "gpu-ranks"])
-def test_a_tensor_or_pipeline_cell_is_served_on_cpu_ranks_with_unquantized_kv(base, edit, field):
+], ids=["cpu-ranks", "bf16", "int8", "int4", "block-sparse", "gpu-ranks"])
+def test_a_tensor_or_pipeline_cell_is_served_on_cpu_ranks_with_every_kv_format(base, edit, field):
     if field == "runtime.parallelism":           # GPU ranks: backend triton, no runtime.ranks (one per GPU)
         edit = {**edit, "runtime": {"backend": "triton", "parallelism": base["runtime"]["parallelism"]}}
     got = unserved(api.parse_cell_spec({**base, **edit}))

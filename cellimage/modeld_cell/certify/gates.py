@@ -14,6 +14,13 @@ A cell is kept (certified) only if its quality smoke passes and it shows at leas
 
 Decode throughput is not a gate: a faster decode alone never keeps a cell. Failing quality fails every gate. A cell
 with no baseline is certified only as a baseline (gate ``baseline``) if its quality smoke passes.
+
+A multi-rank cell (its ranks serve one session together, so every decode step waits on collectives) has one more
+check, ``communication``, on the topology it was measured on: at the largest tier it ran at passing quality, the time
+rank 0 spent in collectives per decode step (measured around that tier's decode, from the capability report's
+counters) must be at most MAX_COLLECTIVE_SHARE of the step. Above it the step is bound by the link, not by the
+compute the shape divides: communication eats the gain, and a gate that passed does not keep the cell on this
+topology. (A pipeline's wait for the other ranks' compute is its bubble, reported apart, not communication.)
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ NEXT_TOKEN_AGREEMENT_MIN = 0.875  # first greedy token equal to the baseline's o
 GREEDY_AGREEMENT_MIN = 0.5  # mean fraction of the greedy continuation equal to the baseline's before they diverge
 PASSKEY_MIN = 0.5  # a tier's passkey passes when found in more than this fraction of its repeats
 
+MAX_COLLECTIVE_SHARE = 0.5  # of a decode step spent in collectives (multi-rank cells): more is link-bound
+
 GATES = ("context", "usable-context", "long-prefill", "agent-turn")
 
 
@@ -42,6 +51,7 @@ class TierResult:
     decode_p50: float | None = None  # per generated token
     passkey_found: int = 0
     passkey_runs: int = 0
+    collective_ms: float | None = None  # p50 per decode step in collectives (multi-rank cells); None: not measured
 
     @property
     def passkey_passed(self) -> bool:
@@ -173,6 +183,28 @@ def gate_agent_turn(cell: CellMeasurements, base: CellMeasurements) -> GateResul
                       {"speedup": round(s, 3), "cell_p50_ms": cell.agent_turn_p50, "baseline_p50_ms": base.agent_turn_p50})
 
 
+def gate_communication(cell: CellMeasurements) -> GateResult | None:
+    """The communication check (module docstring); None for a cell whose ranks do not share a session's steps."""
+    measured = [t for t in sorted(cell.tiers) if cell.tiers[t].collective_ms is not None]
+    if not measured:
+        return None
+    ok = [t for t in measured if cell.tier_ok(t) and cell.tiers[t].decode_p50]
+    if not ok:
+        return GateResult("communication", False, "no tier ran at passing quality with its collectives measured")
+    t = ok[-1]
+    coll, step = cell.tiers[t].collective_ms or 0.0, cell.tiers[t].decode_p50 or 0.0
+    share = coll / step
+    ev = {"tier": t, "collective_ms_per_decode_step": round(coll, 3), "decode_ms_per_token": round(step, 3),
+          "share": round(share, 4), "max_share": MAX_COLLECTIVE_SHARE,
+          "shares": {str(x): round((cell.tiers[x].collective_ms or 0.0) / d, 4)
+                     for x in measured if (d := cell.tiers[x].decode_p50)}}
+    passed = share <= MAX_COLLECTIVE_SHARE
+    return GateResult("communication", passed, f"at tier {t} the ranks spend {coll:,.1f} of {step:,.1f} ms per decode "
+                      f"step in collectives ({share:.0%}; at most {MAX_COLLECTIVE_SHARE:.0%})"
+                      + ("" if passed else ": communication eats the gain on this topology"),
+                      MAX_COLLECTIVE_SHARE / share if share else 1e6, ev)
+
+
 def decide(cell: CellMeasurements, base: CellMeasurements | None, budget_ms: float | None = None) -> Decision:
     if not cell.quality.passed:
         return Decision(False, "quality", "quality smoke failed: " + "; ".join(cell.quality.failures()))
@@ -183,9 +215,15 @@ def decide(cell: CellMeasurements, base: CellMeasurements | None, budget_ms: flo
     results = [gate_context(cell, base), gate_usable_context(cell, base, budget_ms), gate_long_prefill(cell, base),
                gate_agent_turn(cell, base)]
     passed = [r for r in results if r.passed]
+    comm = gate_communication(cell)
+    if comm is not None:
+        results.append(comm)
+    if passed and comm is not None and not comm.passed:
+        return Decision(False, "communication", f"gate {passed[0].gate} passed ({passed[0].reason}), but {comm.reason}",
+                        results)
     if passed:
         return Decision(True, passed[0].gate, f"gate {passed[0].gate}: {passed[0].reason}", results)
-    closest = max(results, key=lambda r: r.score)
+    closest = max((r for r in results if r.gate != "communication"), key=lambda r: r.score)
     note = ""
     shared = [t for t in cell.tiers if t in base.tiers and cell.tiers[t].decode_p50 and base.tiers[t].decode_p50]
     if shared:
@@ -201,8 +239,9 @@ def measurements_from_report(section: dict[str, Any]) -> CellMeasurements:
     tiers: dict[int, TierResult] = {}
     for key, t in section["tiers"].items():
         fo, dec, pk = t.get("first_output_ms") or {}, t.get("decode_ms_per_token") or {}, t.get("passkey") or {}
+        coll = t.get("collective_ms_per_decode_step") or {}
         tiers[int(key)] = TierResult(t["status"], fo.get("p50"), fo.get("p90"), dec.get("p50"),
-                                     pk.get("found", 0), pk.get("runs", 0))
+                                     pk.get("found", 0), pk.get("runs", 0), coll.get("p50"))
     agent = section.get("agent") or {}
     turn = agent.get("turn_ms") or {}
     quality = section["quality"]

@@ -196,17 +196,33 @@ def run_tier(t: Target, tier: int, repeat: int, opts: Options) -> dict[str, Any]
         p = workload.tier_prompt(t.client.tokenize, t.corpus, tier, repeat, opts.decode_tokens)
     except ValueError as e:
         return {"status": "error", "error": str(e)}
+    counted = "collective_ms_total" in (t.capability.get("parallel") or {})   # ranks sharing each decode step
     try:
+        before = t.client.capability()["parallel"] if counted else None    # outside the timed span
         t0 = time.perf_counter()
         pre = t.client.prefix(sid, tokens=p.tokens)
         s = t.client.decode_stream(sid, opts.decode_tokens)
+        after = t.client.capability()["parallel"] if counted else None
     except CellError as e:
         return {"status": "refused" if e.refused else "error", "error": f"{e.kind}: {e.message}"}
     finally:
         t.client.close(sid)
-    return {"status": "ok", "prompt_tokens": len(p.tokens), "first_output_ms": (s.first_token_at - t0) * 1e3,
-            "prefill_ms": pre["prefill_ms"], "tokens_reused": pre["tokens_reused"], "decode_ms_per_token": s.trace.get("decode_ms_per_token", []),
-            "passkey_found": p.key in s.text, "key": p.key, "answer": s.text[:80]}
+    out = {"status": "ok", "prompt_tokens": len(p.tokens), "first_output_ms": (s.first_token_at - t0) * 1e3,
+           "prefill_ms": pre["prefill_ms"], "tokens_reused": pre["tokens_reused"],
+           "decode_ms_per_token": s.trace.get("decode_ms_per_token", []),
+           "passkey_found": p.key in s.text, "key": p.key, "answer": s.text[:80]}
+    if before is not None and after is not None:
+        out["collective_ms_per_decode_step"] = collective_per_step(before, after)
+    return out
+
+
+def collective_per_step(before: dict[str, Any], after: dict[str, Any]) -> float | None:
+    """Mean ms rank 0 spent in collectives per decode step between two reads of the capability's "parallel" counters
+    (the certification is the cell's only client while it measures); None when no decode step ran between them."""
+    steps = after["forwards"]["decode"] - before["forwards"]["decode"]
+    if steps <= 0:
+        return None
+    return (after["collective_ms_total"]["decode"] - before["collective_ms_total"]["decode"]) / steps
 
 
 def tier_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -219,6 +235,10 @@ def tier_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "prefill_ms": stats([r["prefill_ms"] for r in ok]),
         "tokens_reused": sum(r["tokens_reused"] for r in ok),  # prompt tokens found in KV already held: 0 when cold
         "decode_ms_per_token": stats([x for r in ok for x in r["decode_ms_per_token"]]),
+        # multi-rank cells: rank 0's time in collectives per decode step, one sample per run (gates.gate_communication)
+        **({"collective_ms_per_decode_step": stats([r["collective_ms_per_decode_step"] for r in ok
+                                                    if r.get("collective_ms_per_decode_step") is not None])}
+           if any("collective_ms_per_decode_step" in r for r in ok) else {}),
         "passkey": {"found": sum(r["passkey_found"] for r in ok), "runs": len(ok),
                     "answers": [r["answer"] for r in ok][:3]},
     }
@@ -354,6 +374,7 @@ def run(cell: Target, baseline: Target | None, opts: Options, command: str = "")
                            "prefill_speedup": gates.PREFILL_SPEEDUP, "agent_speedup": gates.AGENT_SPEEDUP,
                            "next_token_agreement_min": gates.NEXT_TOKEN_AGREEMENT_MIN,
                            "greedy_agreement_min": gates.GREEDY_AGREEMENT_MIN, "passkey_min": gates.PASSKEY_MIN,
+                           "max_collective_share": gates.MAX_COLLECTIVE_SHARE,
                            "latency_budget_ms": opts.latency_budget_ms},
             "gates": [{"gate": g.gate, "passed": g.passed, "reason": g.reason, "evidence": g.evidence}
                       for g in decision.gates],

@@ -39,9 +39,15 @@ def summary_for_status(report: dict[str, Any]) -> dict[str, Any]:
     }
     if base is not None:
         out.update(baseline=base["name"], baselineFirstOutputP90Ms=p90s(base), baselineAgentTurnP50Ms=agent(base))
+    shares = {k: round(t["collective_ms_per_decode_step"]["p50"] / t["decode_ms_per_token"]["p50"], 4)
+              for k, t in cell["tiers"].items()
+              if (t.get("collective_ms_per_decode_step") or {}).get("p50") is not None
+              and (t.get("decode_ms_per_token") or {}).get("p50")}
+    if shares:
+        out["collectiveShare"] = shares
     while len(json.dumps(out, separators=(",", ":"))) > SUMMARY_MAX_BYTES and len(out["reason"]) > 80:
         out["reason"] = out["reason"][: len(out["reason"]) // 2] + "..."
-    for key in ("baselineFirstOutputP90Ms", "passkeyTiers", "modelDigest"):  # many tiers: drop the least needed
+    for key in ("baselineFirstOutputP90Ms", "collectiveShare", "passkeyTiers", "modelDigest"):  # many tiers: drop the least needed
         if len(json.dumps(out, separators=(",", ":"))) > SUMMARY_MAX_BYTES:
             out.pop(key, None)
     from modeld_api import CertificationSummary  # the one model the operator validates too
@@ -100,6 +106,15 @@ def markdown(report: dict[str, Any], png_name: str | None = None) -> str:
                          f"{_p(pf, 'p50')} | {_p(pf, 'p90')} | {_p(pf, 'p95')} | {_p(dc, 'p50')} | {_p(dc, 'p90')} | "
                          f"{_p(dc, 'p95')} | {pk['found']}/{pk['runs']} |")
 
+    for s in sections:
+        coll = [(tier, t["collective_ms_per_decode_step"]["p50"], (t["decode_ms_per_token"] or {}).get("p50"))
+                for tier, t in ((tier, s["tiers"][str(tier)]) for tier in wl["tiers"])
+                if t.get("collective_ms_per_decode_step")]
+        if coll:
+            lines += ["", f"{s['name']}: rank 0's time in collectives per decode step (p50 of the runs), the "
+                      "communication check's input: " + ", ".join(
+                          f"tier {tier} {c:,.1f} ms" + (f" ({c / d:.0%} of the step)" if d else "")
+                          for tier, c, d in coll) + "."]
     lines += ["", "Tier prompt tokens served from KV already held, all repeats (the prompts share at most their first "
               "few intro tokens, so prefill ran cold): " + ", ".join(
         f"{s['name']} {sum(t.get('tokens_reused', 0) for t in s['tiers'].values())}" for s in sections) + "."]

@@ -8,8 +8,10 @@ same block ids everywhere (parallel/pool.MirroredPool on rank 0).
 
 The cost for one interactive session is the bubble: a forward visits the ranks one after another, so while one
 computes the others wait; with N ranks each is idle (N - 1) / N of a single session's forward. What the shape buys
-is memory (each rank holds 1/N of the weights and of the KV), not speed for one session; the runner measures the
-time rank 0 waits for the rest of the pipe per forward (the capability report's collective time).
+is memory (each rank holds 1/N of the weights and of the KV), not speed for one session. Rank 0 measures both parts
+of its wait per forward: the bubble (the other ranks' compute, which each message carries along) and the transfers
+(the rest of the wait: the communication), in the capability report's ``bubble_ms_per_forward`` and
+``collective_ms_per_forward``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class PipelineRunner(MirroredLocal, RankRunner):
         self.layers = layers if layers is not None else range(model.args.n_layers)
         self.decode_kernel = f"torch (model.paged_attention) on layers {self.layers.start}-{self.layers.stop - 1}"
         self.attend = None
+        self.bubble_s = {"prefill": 0.0, "decode": 0.0}    # rank 0: waiting for the other ranks' compute
 
     def choose_decode_kernel(self, mode: str) -> None:
         """model.py's torch paths on this rank's layers (MODELD_DECODE_ATTENTION does not apply)."""
@@ -82,33 +85,54 @@ class PipelineRunner(MirroredLocal, RankRunner):
 
     @torch.inference_mode()
     def _stage(self, tokens: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor | None) -> Tensor | None:
-        """This rank's part of one forward; rank 0 gets the logits [rows or N, V] fp32 back, the others None."""
+        """This rank's part of one forward; rank 0 gets the logits [rows or N, V] fp32 back, the others None.
+
+        Every message carries one trailing element: the seconds the ranks after rank 0 have computed so far in this
+        forward (each adds its own). Rank 0 waits for the pipe from its send to the logits' arrival; that wait less the
+        others' compute is the transfers (``collective_s``, the communication), the rest is the bubble
+        (``bubble_s``): one session's forward visiting the ranks in turn."""
         m, kind = self.model, meta.kind
+        k = "decode" if kind == "decode" else "prefill"
         dev = tokens.device
         first, last = self.rank == 0, self.rank == self.world - 1
+        n_rows = rows.shape[0] if rows is not None else tokens.shape[0]
         if first:
+            t_pipe = time.perf_counter()
             x = m.tok_embeddings(tokens)
+            busy = 0.0
         else:
-            x = torch.empty(tokens.shape[0], m.args.dim, dtype=self._dtype(), device=dev)
-            self._p2p(kind, dist.recv, x, self.rank - 1)
+            msg = torch.empty(tokens.shape[0] * m.args.dim + 1, dtype=self._dtype(), device=dev)
+            self._p2p(k, dist.recv, msg, self.rank - 1)
+            t_busy = time.perf_counter()
+            x, busy = msg[:-1].view(tokens.shape[0], m.args.dim), float(msg[-1])
         cos, sin = m.rope_cos[positions], m.rope_sin[positions]
         for layer in m.layers:
             x = layer(x, cos, sin, self.kv, meta)
         if not last:
-            self._p2p(kind, dist.send, x.contiguous(), self.rank + 1)
+            if first:
+                t_pipe = time.perf_counter()           # the wait starts when rank 0's own layers are done
+            else:
+                busy += time.perf_counter() - t_busy
+            out = torch.cat([x.reshape(-1), x.new_tensor([busy])])
+            self._p2p(k, dist.send, out, self.rank + 1)
         else:
             if rows is not None:
                 x = x[rows]
-            logits = m.output(m.norm(x)).float().contiguous()
+            logits = m.output(m.norm(x)).float()
             if first:
                 return logits
-            self._p2p(kind, dist.send, logits, 0)
+            busy += time.perf_counter() - t_busy
+            self._p2p(k, dist.send, torch.cat([logits.reshape(-1), logits.new_tensor([busy])]), 0)
             return None
         if first:
-            logits = torch.empty(rows.shape[0] if rows is not None else tokens.shape[0], m.args.vocab_size,
-                                 dtype=torch.float32, device=dev)
-            self._p2p(kind, dist.recv, logits, self.world - 1)
-            return logits
+            msg = torch.empty(n_rows * m.args.vocab_size + 1, dtype=torch.float32, device=dev)
+            self._p2p(k, dist.recv, msg, self.world - 1)
+            waited = time.perf_counter() - t_pipe
+            others = min(float(msg[-1]), waited)
+            # the p2p clock above counted the whole wait; keep only the transfers there, the rest is the bubble
+            self.collective_s[k] -= others
+            self.bubble_s[k] += others
+            return msg[:-1].view(n_rows, m.args.vocab_size)
         return None
 
     def _dtype(self) -> torch.dtype:
@@ -138,5 +162,8 @@ class PipelineRunner(MirroredLocal, RankRunner):
                 "kv_budget_bytes_per_rank": pool.local.budget_bytes, "kv_budget_bytes_total": pool.budget_bytes,
                 "max_tokens_total": pool.max_tokens,
                 "collective": "send/recv of [rows, dim] between consecutive ranks, the logits back to rank 0",
+                "bubble_ms_per_forward": {k: (round(self.bubble_s[k] / n * 1e3, 3) if (n := self.forwards[k]) else None)
+                                          for k in ("prefill", "decode")},
+                "bubble_ms_total": {k: round(v * 1e3, 3) for k, v in self.bubble_s.items()},
                 "bubble": f"one session's forward visits the ranks in turn: each idles {self.world - 1}/{self.world}"
                           " of it"}

@@ -142,6 +142,7 @@ class Driving(TorchRunner):
                     for k in ("prefill", "decode")}
         return {"ranks": self.world, "backend": self.ranks.backend, **self.shape_report(self.pool),
                 "collective_timeout_s": self.ranks.timeout_s, "collective_ms_per_forward": per_step,
+                "collective_ms_total": {k: round(v * 1e3, 3) for k, v in self.collective_s.items()},
                 "forwards": dict(self.forwards)}
 
     def stop(self, send: bool = True) -> None:
