@@ -44,7 +44,9 @@ async def main():
     ap.add_argument("--variant", default="base")
     ap.add_argument("--seeds", default="4")
     ap.add_argument("--modes", default="kv,k,v,kv-sink")
+    ap.add_argument("--out", default="_out/int4_diag.jsonl")
     a = ap.parse_args()
+    exp.start_jsonl(a.out)
     V = exp.variants()
     KVC.PagedKVCache.write = write
     base = P.Engine.from_cell(P.SPEC)
@@ -61,8 +63,7 @@ async def main():
             row = {"diag": m, "variant": a.variant, "seed": seed, "agreement": r["greedy_agreement"],
                    "kl_mean": r["kl_mean"], "kl_max": r["kl_max"], "failures": quality.check("int4", r)}
             print(json.dumps(row), flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath("_out/int4_diag.jsonl")), exist_ok=True)
-            with open("_out/int4_diag.jsonl", "a") as f:
+            with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     base.shutdown()
 

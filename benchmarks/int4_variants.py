@@ -199,6 +199,19 @@ def variants():
     }
 
 
+def start_jsonl(path: str) -> None:
+    """A fresh JSON-lines file whose first line says what made it: the command, the machine, the time."""
+    from datetime import datetime, timezone
+
+    from modeld_cell.profile_gate import hardware
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(json.dumps({"command": "python " + " ".join(sys.argv), "hardware": hardware(),
+                            "threads": torch.get_num_threads(),
+                            "started": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}, default=str) + "\n")
+
+
 def install(qdq, seed):
     R.quantize, M.dequantize = qdq
     R.ROTATION_SEED = seed
@@ -222,6 +235,7 @@ async def main():
             e = ((V[n][1](q, s, "int4") - x) ** 2).mean()
             print(f"{n:22s} gaussian rel MSE {float(e):.5f}")
         return
+    start_jsonl(a.out)
     base = P.Engine.from_cell(P.SPEC)
     for seed in [int(s) for s in a.seeds.split(",")]:
         for n in names:
@@ -235,7 +249,6 @@ async def main():
                    "passkey": r["passkey"]["ok"], "bytes_per_token": e.kv.bytes_per_token,
                    "failures": quality.check("int4", r), "s": round(time.time() - t, 1)}
             print(json.dumps(row), flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     install((ORIG_Q, ORIG_DQ), 4)
