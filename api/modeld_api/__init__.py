@@ -346,6 +346,8 @@ class CertificationSummary(_Model):
     baseline: str | None = Field(default=None, description="The baseline cell's name.")
     baselineFirstOutputP90Ms: dict[str, float | None] | None = Field(default=None, description="The baseline's.")
     baselineAgentTurnP50Ms: float | None = Field(default=None, description="The baseline's agent turn p50.")
+    decodeP90MsPerToken: dict[str, float | None] | None = Field(
+        default=None, description="Per context tier: decode p90 per token (the Session binding's per-token budget).")
     collectiveShare: dict[str, float] | None = Field(
         default=None, description="Multi-rank cells, per context tier: the share of a decode step rank 0 spent in "
         "collectives on this topology (the communication check rejects above its threshold)."
@@ -380,6 +382,12 @@ class CellStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list, description="Served, Scheduled, Ready, Certified.")
 
 
+class Candidate(_Model):
+    cell: str = Field(description="A Cell the binding considered.")
+    chosen: bool = Field(default=False, description="Whether the session was bound to it.")
+    reason: str = Field(default="", description="Why it was chosen, or why not (its own measured numbers).")
+
+
 class SessionStatus(_Model):
     phase: str | None = Field(default=None, description="Pending, Bound or Released.")
     observedGeneration: int | None = Field(default=None, description="Generation last reconciled.")
@@ -389,6 +397,9 @@ class SessionStatus(_Model):
     sessionId: str | None = Field(default=None, description="Session id on the worker (POST /v1/sessions/{id}/...).")
     boundAt: str | None = Field(default=None, description="RFC 3339 time the session was bound.")
     reason: str | None = Field(default=None, description="Why the session is where it is.")
+    candidates: list[Candidate] = Field(
+        default_factory=list, max_length=32,
+        description="Every Cell the last binding considered, with why it was or was not chosen.")
     conditions: list[Condition] = Field(default_factory=list, description="Bound.")
 
 

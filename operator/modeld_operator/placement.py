@@ -238,7 +238,9 @@ class CellView:
     ready_endpoints: list[api.Endpoint] = field(default_factory=list)
     sessions: int = 0
     certified: bool | None = None  # None: never certified
-    first_output_p90_ms: float | None = None
+    first_output_p90_ms: float | None = None  # measured at the smallest certified tier covering the session
+    decode_p90_ms: float | None = None        # per token, at the same tier
+    covering_tier: int | None = None          # that tier; None: no certified tier covers the session
 
 
 @dataclass
@@ -247,10 +249,15 @@ class Fit:
     endpoint: api.Endpoint | None
     reason: str
     permanent: bool = False  # no change in the cluster can make this session fit
+    considered: list[tuple[str, bool, str]] = field(default_factory=list)  # (cell, chosen, why) for the status
 
 
 def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certified: bool = True) -> Fit:
-    """Bind by capability and workload fit: family, context tier, certification, latency budget, then least loaded."""
+    """Bind by capability and workload fit. A cell is considered when it serves the family at a tier that holds the
+    session, is certified (unless not required), meets both latency budgets by what its certification measured at the
+    smallest tier covering the session (first-output p90, decode p90 per token), and has a ready worker. Among those:
+    the session's workload first, then the least loaded per ready worker, then the tightest tier. ``considered`` says
+    of every cell why it was or was not chosen (the Session's status.candidates)."""
     if session.cell:
         cells = [c for c in cells if c.name == session.cell]
         if not cells:
@@ -265,30 +272,82 @@ def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certifi
                 permanent=True,
             )
     rejected: Counter[str] = Counter()
+    considered: list[tuple[str, bool, str]] = []
     candidates = []
-    for cell in cells:
-        if cell.spec.model.family != session.modelFamily:
-            rejected["another model family"] += 1
-        elif cell.spec.contextTier < session.requiredContext:
-            rejected["a smaller context tier"] += 1
-        elif require_certified and not cell.certified:
-            rejected["no certification"] += 1
-        elif (
-            session.latencyBudget is not None
-            and cell.first_output_p90_ms is not None
-            and cell.first_output_p90_ms > session.latencyBudget.firstOutputMs
-        ):
-            rejected["first-output p90 over the budget"] += 1
-        elif not cell.ready_endpoints:
-            rejected["no ready worker"] += 1
-        else:
+    for cell in sorted(cells, key=lambda c: c.name):
+        unfit = not_fitting(session, cell, require_certified)
+        if unfit is None:
             candidates.append(cell)
+        else:
+            rejected[unfit[0]] += 1
+            considered.append((cell.name, False, unfit[1]))
     if not candidates:
         if not cells:
             return Fit(None, None, f"no Cell serves model family {session.modelFamily} in this namespace")
         detail = ", ".join(f"{n} with {why}" for why, n in sorted(rejected.items()))
-        return Fit(None, None, f"no cell fits {session.modelFamily} at {session.requiredContext} tokens: {detail}")
-    # Least loaded per ready worker; then the tightest context tier that fits (keeps big tiers for big sessions).
-    best = min(candidates, key=lambda c: (c.sessions / len(c.ready_endpoints), c.spec.contextTier, c.name))
+        return Fit(None, None, f"no cell fits {session.modelFamily} at {session.requiredContext} tokens: {detail}",
+                   considered=considered)
+    # The session's workload first (a cell certified on it), then least loaded per ready worker, then the tightest
+    # context tier that fits (keeps big tiers for big sessions).
+    wl = api.enum_value(session.workload)
+
+    def rank(c: CellView) -> tuple:
+        return (api.enum_value(c.spec.workload) != wl, c.sessions / len(c.ready_endpoints), c.spec.contextTier, c.name)
+
+    best = min(candidates, key=rank)
     endpoint = best.ready_endpoints[best.sessions % len(best.ready_endpoints)]
-    return Fit(best, endpoint, f"bound to {best.name}: {best.spec.model.family}, {best.spec.contextTier}-token tier")
+    for c in candidates:
+        if c is best:
+            continue
+        if api.enum_value(c.spec.workload) != wl and api.enum_value(best.spec.workload) == wl:
+            why = f"fits, but serves workload {api.enum_value(c.spec.workload)}; {best.name} serves {wl}"
+        elif c.sessions / len(c.ready_endpoints) > best.sessions / len(best.ready_endpoints):
+            why = (f"fits, but holds {c.sessions} session(s) on {len(c.ready_endpoints)} worker(s); {best.name} is "
+                   "less loaded")
+        else:
+            why = f"fits, but its {c.spec.contextTier}-token tier is larger than {best.name}'s {best.spec.contextTier}"
+        considered.append((c.name, False, why))
+    measured = []
+    if best.first_output_p90_ms is not None:
+        measured.append(f"first output p90 {best.first_output_p90_ms:,.0f} ms")
+    if best.decode_p90_ms is not None:
+        measured.append(f"decode p90 {best.decode_p90_ms:,.1f} ms/token")
+    at = f" (certified at tier {best.covering_tier}: {', '.join(measured)})" if best.covering_tier and measured else ""
+    reason = (f"bound to {best.name}: {best.spec.model.family}, {best.spec.contextTier}-token tier, workload "
+              f"{api.enum_value(best.spec.workload)}{at}")
+    considered.append((best.name, True, reason))
+    considered.sort(key=lambda x: (not x[1], x[0]))
+    return Fit(best, endpoint, reason, considered=considered)
+
+
+def not_fitting(session: api.SessionSpec, cell: CellView, require_certified: bool) -> tuple[str, str] | None:
+    """Why ``cell`` cannot take ``session`` (a short class for the summary, then the cell's own words), or None."""
+    budget = session.latencyBudget
+    if cell.spec.model.family != session.modelFamily:
+        return "another model family", f"serves {cell.spec.model.family}, not {session.modelFamily}"
+    if cell.spec.contextTier < session.requiredContext:
+        return ("a smaller context tier",
+                f"its {cell.spec.contextTier}-token tier is below the {session.requiredContext} tokens needed")
+    if require_certified and not cell.certified:
+        return "no certification", ("its certification failed" if cell.certified is False
+                                    else "not certified yet")
+    if budget is not None:
+        if cell.covering_tier is None:
+            return ("no latency measured at a covering tier",
+                    f"its certification measured no tier of {session.requiredContext}+ tokens to hold the budget to")
+        fo = cell.first_output_p90_ms
+        if fo is not None and fo > budget.firstOutputMs:
+            return ("first-output p90 over the budget",
+                    f"first output p90 {fo:,.0f} ms at tier {cell.covering_tier} > the budget's {budget.firstOutputMs:,} ms")
+        dec = cell.decode_p90_ms
+        if budget.perTokenMs is not None:
+            if dec is None:
+                return ("no per-token latency measured",
+                        f"its certification has no decode p90 at tier {cell.covering_tier} for the per-token budget")
+            if dec > budget.perTokenMs:
+                return ("per-token p90 over the budget",
+                        f"decode p90 {dec:,.1f} ms/token at tier {cell.covering_tier} > the budget's "
+                        f"{budget.perTokenMs:,} ms")
+    if not cell.ready_endpoints:
+        return "no ready worker", "no worker answers /readyz"
+    return None

@@ -224,10 +224,15 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
     assert condition(status_of(cluster, namespace, "cell", "cpu"), "Certified")["status"] == "True"
     assert st["cell"] == "cpu" and st["endpoint"].startswith("http://127.30.")
     assert condition(st, "Bound")["status"] == "True"
+    (chosen,) = [c for c in st["candidates"] if c["chosen"]]     # the status says what was considered, and why
+    assert chosen["cell"] == "cpu" and chosen["reason"] == st["reason"] and "workload agent" in chosen["reason"], st
 
     for name, why in [("too-long", "a smaller context tier"), ("other-family", "no cell fits llama3")]:
         pending = wait_until(f"{name} pending", lambda n=name: (s := status_of(cluster, namespace, "session", n)).get("phase") == "Pending" and s, timeout=60)
         assert why in pending["reason"], pending
+        if name == "too-long":
+            assert {c["cell"]: c["reason"] for c in pending["candidates"]}["cpu"] == (
+                "its 2048-token tier is below the 4096 tokens needed"), pending
 
     # The binding is real: the agent talks to the worker at the endpoint with the session id the operator chose.
     sid = st["sessionId"]

@@ -8,7 +8,7 @@ import pytest
 
 import modeld_api as api
 from modeld_operator import certification
-from modeld_operator.handlers.session import first_output_p90
+from modeld_operator.handlers.session import covering
 
 pytestmark = pytest.mark.unit
 
@@ -104,10 +104,12 @@ def test_verdicts():
 
 
 def test_latency_budget_uses_the_covering_tier():
-    summary = {"firstOutputP90Ms": {"1024": 100.0, "4096": 900.0, "8192": 2500.0}}
-    assert first_output_p90(summary, 1000) == 100.0
-    assert first_output_p90(summary, 4000) == 900.0
-    assert first_output_p90(summary, 9000) is None
-    assert first_output_p90({}, 10) is None
-    assert first_output_p90({"firstOutputP90Ms": {"1024": None, "4096": 50.0}}, 512) == 50.0  # refused tier
-    assert first_output_p90({"firstOutputP90Ms": "garbage"}, 10) is None
+    summary = {"firstOutputP90Ms": {"1024": 100.0, "4096": 900.0, "8192": 2500.0},
+               "decodeP90MsPerToken": {"1024": 40.0, "4096": 55.5, "8192": None}}
+    assert covering(summary, 1000) == (1024, 100.0, 40.0)
+    assert covering(summary, 4000) == (4096, 900.0, 55.5)
+    assert covering(summary, 8000) == (8192, 2500.0, None)
+    assert covering(summary, 9000) == (None, None, None)
+    assert covering({}, 10) == (None, None, None)
+    assert covering({"firstOutputP90Ms": {"1024": None, "4096": 50.0}}, 512) == (4096, 50.0, None)  # refused tier
+    assert covering({"firstOutputP90Ms": "garbage"}, 10) == (None, None, None)

@@ -280,16 +280,17 @@ def test_the_communication_check_never_rescues_a_cell_no_gate_kept():
 def test_the_summary_carries_the_collective_share_per_tier():
     section = {"name": "c", "quality": {"passed": True},
                "tiers": {"1024": {"first_output_ms": {"p90": 10.0}, "passkey": {"found": 1, "runs": 1},
-                                  "decode_ms_per_token": {"p50": 80.0},
+                                  "decode_ms_per_token": {"p50": 80.0, "p90": 90.0},
                                   "collective_ms_per_decode_step": {"p50": 20.0}},
                          "2048": {"first_output_ms": {"p90": 20.0}, "passkey": {"found": 1, "runs": 1},
-                                  "decode_ms_per_token": {"p50": 100.0}}},
+                                  "decode_ms_per_token": {"p50": 100.0, "p90": 110.0}}},
                "agent": {"turn_ms": None},
                "matrix": {"topology": "cpu x2 ranks", "context_tier": 2048, "model_digest": None}}
     s = summary_for_status({"schema": "modeld.certification/v1", "workload": {"version": "w"},
                             "measuredAt": "2026-12-01T00:00:00Z", "cell": section, "baseline": None,
                             "decision": {"certified": False, "gate": "communication", "reason": "r"}})
     assert s["collectiveShare"] == {"1024": 0.25}
+    assert s["decodeP90MsPerToken"] == {"1024": 90.0, "2048": 110.0}     # the binding's per-token budget reads it
 
 
 def test_collective_per_step_reads_the_counters_around_a_decode():

@@ -165,14 +165,19 @@ def test_a_data_parallel_pod_runs_its_copies_under_the_launcher_and_exposes_a_po
 EP = [api.Endpoint(pod="p0", url="http://127.20.0.2:8080", ready=True)]
 
 
-def view(name, family="smollm2", tier=8192, endpoints=EP, sessions=0, certified=True, p90=None):
+def view(name, family="smollm2", tier=8192, endpoints=EP, sessions=0, certified=True, p90=None, decode=None,
+         workload="agent", covering=None):
+    """A cell as the binding sees it; with a measured p90 its certification covers the session at its own tier."""
     spec = cell_spec(
         runtime={"backend": "torch"},
         topology={"gpus": 0, "interconnect": "none"},
         model={"family": family, "ref": "x"},
         contextTier=tier,
+        workload=workload,
     )
-    return placement.CellView(name, spec, list(endpoints), sessions, certified, p90)
+    measured = p90 is not None or decode is not None
+    return placement.CellView(name, spec, list(endpoints), sessions, certified, p90, decode,
+                              covering if covering is not None else (tier if measured else None))
 
 
 def session(**kw) -> api.SessionSpec:
@@ -212,6 +217,40 @@ def test_latency_budget_and_certification():
     assert placement.choose_cell(s, cells, require_certified=False).cell.name == "fast"
     fit = placement.choose_cell(s, cells)  # certified cells only, by default
     assert fit.cell is None and "no certification" in fit.reason and "over the budget" in fit.reason
+
+
+def test_the_per_token_budget_is_held_to_the_measured_decode_p90_at_the_covering_tier():
+    cells = [view("slow-decode", p90=100.0, decode=80.0), view("fast-decode", tier=16384, p90=300.0, decode=20.0)]
+    s = session(latencyBudget={"firstOutputMs": 500, "perTokenMs": 50})
+    fit = placement.choose_cell(s, cells)
+    assert fit.cell.name == "fast-decode"
+    why = dict((c, r) for c, chosen, r in fit.considered if not chosen)
+    assert why["slow-decode"] == "decode p90 80.0 ms/token at tier 8192 > the budget's 50 ms"
+    assert "decode p90 20.0 ms/token" in fit.reason and "certified at tier 16384" in fit.reason
+    # no decode measured where the session needs one: not promised
+    fit = placement.choose_cell(s, [view("unmeasured", p90=100.0, decode=None)])
+    assert fit.cell is None and "no per-token latency measured" in fit.reason
+    # a budget needs a certified tier covering the session at all
+    fit = placement.choose_cell(session(latencyBudget={"firstOutputMs": 500}), [view("short-cert", p90=10.0, covering=None)])
+    assert fit.cell is not None                                           # view() covers at its own tier
+    uncovered = view("short-cert", p90=None)
+    fit = placement.choose_cell(session(latencyBudget={"firstOutputMs": 500}), [uncovered])
+    assert fit.cell is None and "no latency measured at a covering tier" in fit.reason
+
+
+def test_the_sessions_workload_comes_first_and_every_cell_considered_says_why():
+    cells = [view("chatty", workload="chat"), view("agentic", tier=32768, sessions=2), view("other", family="llama3"),
+             view("small", tier=2048)]
+    fit = placement.choose_cell(session(workload="agent"), cells)
+    assert fit.cell.name == "agentic"            # the agent cell, though busier and larger than the chat one
+    assert [c for c, chosen, _ in fit.considered if chosen] == ["agentic"] and fit.considered[0][0] == "agentic"
+    why = {c: r for c, chosen, r in fit.considered if not chosen}
+    assert why == {"chatty": "fits, but serves workload chat; agentic serves agent",
+                   "other": "serves llama3, not smollm2",
+                   "small": "its 2048-token tier is below the 4000 tokens needed"}
+    assert placement.choose_cell(session(workload="chat"), cells).cell.name == "chatty"
+    # no cell of the workload: the others still serve it
+    assert placement.choose_cell(session(workload="batch"), cells).cell.name == "chatty"   # less loaded
 
 
 def test_uncertified_cells_are_not_bound_by_default():

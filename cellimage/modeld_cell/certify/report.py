@@ -31,6 +31,8 @@ def summary_for_status(report: dict[str, Any]) -> dict[str, Any]:
         "certified": dec["certified"], "gate": dec["gate"], "reason": dec["reason"][:_REASON_MAX],
         "topology": cell["matrix"]["topology"], "measuredAt": report["measuredAt"],
         "firstOutputP90Ms": p90s(cell), "agentTurnP50Ms": agent(cell),
+        "decodeP90MsPerToken": {k: (round(t["decode_ms_per_token"]["p90"], 2) if t.get("decode_ms_per_token") else None)
+                                for k, t in cell["tiers"].items()},
         "quality": "pass" if cell["quality"]["passed"] else "fail",
         "passkeyTiers": [int(k) for k, t in cell["tiers"].items() if t["passkey"]["runs"]
                          and t["passkey"]["found"] / t["passkey"]["runs"] > gates.PASSKEY_MIN],
@@ -47,7 +49,7 @@ def summary_for_status(report: dict[str, Any]) -> dict[str, Any]:
         out["collectiveShare"] = shares
     while len(json.dumps(out, separators=(",", ":"))) > SUMMARY_MAX_BYTES and len(out["reason"]) > 80:
         out["reason"] = out["reason"][: len(out["reason"]) // 2] + "..."
-    for key in ("baselineFirstOutputP90Ms", "collectiveShare", "passkeyTiers", "modelDigest"):  # many tiers: drop the least needed
+    for key in ("baselineFirstOutputP90Ms", "collectiveShare", "passkeyTiers", "modelDigest", "decodeP90MsPerToken"):  # many tiers: drop the least needed
         if len(json.dumps(out, separators=(",", ":"))) > SUMMARY_MAX_BYTES:
             out.pop(key, None)
     from modeld_api import CertificationSummary  # the one model the operator validates too

@@ -17,14 +17,20 @@ from modeld_operator.settings import SETTINGS
 SESSIONS = (api.GROUP, api.VERSION, "sessions")
 
 
-def first_output_p90(summary: dict[str, Any], required: int) -> float | None:
-    """Measured first-output p90 at the smallest certified tier that covers `required` tokens (None: not measured)."""
-    by_tier = summary.get("firstOutputP90Ms") or {}
+def covering(summary: dict[str, Any], required: int) -> tuple[int | None, float | None, float | None]:
+    """(the smallest certified tier that covers ``required`` tokens, its first-output p90 ms, its decode p90 ms per
+    token); (None, None, None) when the certification measured no such tier."""
+    fo = summary.get("firstOutputP90Ms") or {}
+    dec = summary.get("decodeP90MsPerToken") or {}
     try:
-        tiers = sorted((int(t), float(ms)) for t, ms in by_tier.items() if ms is not None)
+        tiers = sorted((int(t), float(ms)) for t, ms in fo.items() if ms is not None)
     except (AttributeError, TypeError, ValueError):
-        return None
-    return next((ms for tier, ms in tiers if tier >= required), None)
+        return None, None, None
+    for tier, ms in tiers:
+        if tier >= required:
+            d = dec.get(str(tier))
+            return tier, ms, float(d) if isinstance(d, (int, float)) else None
+    return None, None, None
 
 
 def _cell_views(namespace: str, required: int) -> list[placement.CellView]:
@@ -42,6 +48,7 @@ def _cell_views(namespace: str, required: int) -> list[placement.CellView]:
         status = obj.get("status") or {}
         certified = next((c.get("status") == "True" for c in status.get("conditions") or [] if c.get("type") == "Certified"), None)
         summary = (status.get("certification") or {}).get("summary") or {}
+        tier, fo, dec = covering(summary, required)
         views.append(
             placement.CellView(
                 name=obj["metadata"]["name"],
@@ -49,7 +56,9 @@ def _cell_views(namespace: str, required: int) -> list[placement.CellView]:
                 ready_endpoints=[api.Endpoint.model_validate(e) for e in status.get("endpoints") or [] if e.get("ready") and e.get("url")],
                 sessions=counts.get(obj["metadata"]["name"], 0),
                 certified=certified,
-                first_output_p90_ms=first_output_p90(summary, required),
+                first_output_p90_ms=fo,
+                decode_p90_ms=dec,
+                covering_tier=tier,
             )
         )
     return views
@@ -63,9 +72,12 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
     status = dict(body.get("status") or {})
     generation = body["metadata"].get("generation")
     fit = placement.choose_cell(spec, _cell_views(namespace, spec.requiredContext), SETTINGS.require_certified)
+    candidates = [api.Candidate(cell=c, chosen=chosen, reason=why[:400]).model_dump(mode="json")
+                  for c, chosen, why in fit.considered[:32]]
     if fit.cell is None or fit.endpoint is None:
         conditions, changed = set_condition(status.get("conditions"), "Bound", False, "NoFittingCell", fit.reason, generation)
-        kube.patch_status("sessions", namespace, name, {"phase": "Pending", "reason": fit.reason, "observedGeneration": generation, "conditions": conditions})
+        kube.patch_status("sessions", namespace, name, {"phase": "Pending", "reason": fit.reason, "observedGeneration": generation,
+                                                        "conditions": conditions, "candidates": candidates})
         if changed:
             kopf.event(body, type="Warning", reason="NoFittingCell", message=fit.reason)
         metrics.RECONCILES.labels("session", "waiting").inc()
@@ -86,6 +98,7 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
             "sessionId": worker_session_id(namespace, name),
             "boundAt": now(),
             "reason": fit.reason,
+            "candidates": candidates,
             "observedGeneration": generation,
             "conditions": conditions,
         },
