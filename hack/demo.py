@@ -2,7 +2,8 @@
 
 Reads the Session's status (endpoint, worker session id) with kubectl, then runs turns that each re-send the whole
 growing transcript with EnsurePrefix (the worker reuses what it holds and computes only the new part), decode a
-reply, and print the trace's token accounting.
+reply, and print the trace's token accounting and each turn's end-to-end time on the client's clock (through the
+binding: the endpoint the operator chose), with their p50 / p90 / p95.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -48,20 +50,39 @@ def main() -> None:
         cap = json.loads(resp.read())
     print("capability:", json.dumps({k: cap[k] for k in list(cap)[:8]}, default=str)[:400])
     messages = [{"role": "system", "content": SYSTEM}]
-    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>8} {'prefill ms':>10} {'generated':>9} {'decode ms':>9}  reply")
+    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>8} {'prefill ms':>10} {'generated':>9} {'decode ms':>9}"
+          f" {'turn ms':>8}  reply")
+    turn_ms = []
     for i, user in enumerate(TURNS, 1):
         messages.append({"role": "user", "content": user})
+        t0 = time.perf_counter()
         pre = call(f"{base}/v1/sessions/{sid}/prefix", {"messages": messages, "add_generation_prompt": True})
         out = call(f"{base}/v1/sessions/{sid}/decode", {"max_tokens": args.max_tokens, "stop": ["\n"]})
+        turn_ms.append((time.perf_counter() - t0) * 1e3)
         reply = out["text"].strip()
         messages.append({"role": "assistant", "content": reply})
         t, d = pre["trace"], out["trace"]
         print(
             f"{i:>4} {t['prompt_tokens']:>7} {t['tokens_reused']:>7} {t['tokens_computed']:>8} {t['prefill_ms']:>10.0f}"
-            f" {d['completion_tokens']:>9} {d['total_ms']:>9.0f}  {reply}"
+            f" {d['completion_tokens']:>9} {d['total_ms']:>9.0f} {turn_ms[-1]:>8.0f}  {reply}"
         )
     totals = out["trace"]["totals"]
     print("session totals:", json.dumps(totals))
+    pct = ", ".join(f"{k} {v:,.0f}" for k, v in percentiles(turn_ms).items())
+    print(f"end-to-end turn ms through the binding (client clock, {len(turn_ms)} turns): {pct}")
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """p50 / p90 / p95 by linear interpolation between order statistics (as the certification harness)."""
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        k = (len(s) - 1) * p
+        lo = int(k)
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+    return {"p50": q(0.5), "p90": q(0.9), "p95": q(0.95)}
 
 
 if __name__ == "__main__":

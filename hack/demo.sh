@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on one machine: a real local control plane with fake GPU nodes, the chart installed, the operator
-# running as the chart's ServiceAccount, the CPU cell (a real worker on SmolLM2-135M-Instruct) and a Session bound to
-# it, then a real multi-turn agent exchange through the session's endpoint.
+# running as the chart's ServiceAccount, three real CPU cells on SmolLM2-135M-Instruct (a narrow cell with prefix
+# reuse, its real baseline without it, and a cell the gates reject), each certified by the operator's Jobs against its
+# baseline, a Session bound to the certified winner, then a real multi-turn agent exchange through its endpoint.
 # The cluster stays up afterwards for exploring: `export KUBECONFIG=$(MODELD_CLUSTER=demo hack/cluster env ...)`;
 # stop it with `MODELD_CLUSTER=demo hack/cluster down`.
 set -o errexit -o nounset -o pipefail
@@ -31,20 +32,25 @@ if ! { [[ -f $dir/operator.pid ]] && kill -0 "$(cat "$dir/operator.pid")" 2>/dev
   echo $! > "$dir/operator.pid"
 fi
 
-echo "== a CPU cell, its baseline, and a session in namespace $NS"
+echo "== a narrow CPU cell (prefix reuse), its real baseline (no reuse), a cell the gates reject, and a session in namespace $NS"
 k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
-k apply -n "$NS" -f examples/cell-cpu-2k.yaml -f examples/cell-cpu.yaml -f examples/session.yaml
+k apply -n "$NS" -f examples/cell-cpu-noreuse.yaml -f examples/cell-cpu.yaml -f examples/cell-cpu-fp16kv.yaml \
+  -f examples/session.yaml
 # The HGX and L40S cells are accepted but not served by this worker version (multi-rank shapes): they show Refused with
 # the field and the nodes their topology fits, and get no pods (kubectl get cells -o wide shows the reason).
 k apply -n "$NS" -f examples/cell-h100-nvswitch.yaml -f examples/cell-l40s-pcie.yaml
-k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready cell/smollm2-cpu cell/smollm2-cpu-2k --timeout=600s >/dev/null
+CELLS="cell/smollm2-cpu cell/smollm2-cpu-noreuse cell/smollm2-cpu-fp16kv"
+k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready $CELLS --timeout=600s >/dev/null
 echo "== certification Jobs measure each cell against its baseline (a few minutes on 2 cores)"
-k wait -n "$NS" --for=jsonpath='{.status.certification.measuredAt}' cell/smollm2-cpu cell/smollm2-cpu-2k --timeout=1200s >/dev/null
+k wait -n "$NS" --for=jsonpath='{.status.certification.measuredAt}' $CELLS --timeout=1800s >/dev/null
 k wait -n "$NS" --for=jsonpath='{.status.phase}'=Bound session/agent-1 --timeout=120s >/dev/null
 k get -n "$NS" cells,sessions -o wide
 echo
 echo "== the certification matrix"
 .venv/bin/python hack/matrix.py --kubectl "$bin/kubectl" --namespace "$NS"
+echo
+echo "== why session/agent-1 is where it is (every cell the binding considered)"
+k get -n "$NS" session/agent-1 -o jsonpath='{range .status.candidates[*]}{.cell}{"\t"}{.chosen}{"\t"}{.reason}{"\n"}{end}'
 echo
 echo "== a real multi-turn agent exchange through the bound session"
 .venv/bin/python hack/demo.py --kubectl "$bin/kubectl" --namespace "$NS" --session agent-1

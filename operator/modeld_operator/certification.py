@@ -62,9 +62,10 @@ def tiers_for(spec: api.CellSpec, annotations: dict[str, str]) -> list[int]:
 
 
 # Workload-size flags of `modeld-cell certify` an admin may set through the certify-args annotation; nothing else.
-CERTIFY_FLAGS = {
+CERTIFY_FLAGS: dict[str, Any] = {
     "--repeats": int, "--agent-turns": int, "--agent-runs": int, "--decode-tokens": int,
-    "--agent-tool-tokens": int, "--latency-budget-ms": float,
+    "--agent-tool-tokens": int, "--agent-decode-tokens": int, "--latency-budget-ms": float,
+    "--agent-sessions": ("run", "turn"),
 }
 
 
@@ -78,6 +79,12 @@ def extra_args(annotations: dict[str, str]) -> list[str]:
         kind = CERTIFY_FLAGS.get(flag)
         if kind is None:
             raise ValueError(f"annotation {api.ANNOTATION_CERTIFY_ARGS}: {flag!r} is not one of {sorted(CERTIFY_FLAGS)}")
+        if isinstance(kind, tuple):
+            if value not in kind:
+                raise ValueError(f"annotation {api.ANNOTATION_CERTIFY_ARGS}: {flag} takes one of {', '.join(kind)}, "
+                                 f"not {value!r}")
+            out += [flag, value]
+            continue
         try:
             if kind(value) <= 0:
                 raise ValueError

@@ -241,6 +241,7 @@ class CellView:
     first_output_p90_ms: float | None = None  # measured at the smallest certified tier covering the session
     decode_p90_ms: float | None = None        # per token, at the same tier
     covering_tier: int | None = None          # that tier; None: no certified tier covers the session
+    gate: str | None = None                   # the gate its certification passed ("baseline": measured alone)
 
 
 @dataclass
@@ -287,12 +288,14 @@ def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certifi
         detail = ", ".join(f"{n} with {why}" for why, n in sorted(rejected.items()))
         return Fit(None, None, f"no cell fits {session.modelFamily} at {session.requiredContext} tokens: {detail}",
                    considered=considered)
-    # The session's workload first (a cell certified on it), then least loaded per ready worker, then the tightest
-    # context tier that fits (keeps big tiers for big sessions).
+    # The session's workload first (a cell certified on it), then a cell that beat its baseline over one certified
+    # only as a baseline, then least loaded per ready worker, then the tightest context tier that fits (keeps big
+    # tiers for big sessions).
     wl = api.enum_value(session.workload)
 
     def rank(c: CellView) -> tuple:
-        return (api.enum_value(c.spec.workload) != wl, c.sessions / len(c.ready_endpoints), c.spec.contextTier, c.name)
+        return (api.enum_value(c.spec.workload) != wl, c.gate == "baseline", c.sessions / len(c.ready_endpoints),
+                c.spec.contextTier, c.name)
 
     best = min(candidates, key=rank)
     endpoint = best.ready_endpoints[best.sessions % len(best.ready_endpoints)]
@@ -301,6 +304,8 @@ def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certifi
             continue
         if api.enum_value(c.spec.workload) != wl and api.enum_value(best.spec.workload) == wl:
             why = f"fits, but serves workload {api.enum_value(c.spec.workload)}; {best.name} serves {wl}"
+        elif c.gate == "baseline" and best.gate != "baseline":
+            why = f"fits, but is certified only as a baseline; {best.name} beat its baseline (gate {best.gate})"
         elif c.sessions / len(c.ready_endpoints) > best.sessions / len(best.ready_endpoints):
             why = (f"fits, but holds {c.sessions} session(s) on {len(c.ready_endpoints)} worker(s); {best.name} is "
                    "less loaded")

@@ -64,3 +64,35 @@ def test_cell_certified_against_its_baseline(cluster, operator, namespace):
 
     jobs = wait_until("a second certification Job", recertifying, timeout=120, interval=1)
     assert {j["metadata"]["annotations"]["modeld.contenox.io/key"] for j in jobs} >= {first_key}
+
+
+def test_a_cell_with_no_gain_over_its_baseline_is_rejected_and_sessions_do_not_bind_to_it(cluster, operator,
+                                                                                          namespace):
+    """A cell that is its baseline over again (the same tuple and tier) has nothing a gate counts: the Job's verdict
+    says no gate passed, the Cell is Certified=False with the closest gate's numbers, and a Session pinned to it stays
+    Pending saying its certification failed. (A verdict is a measurement: the test asserts the condition and the
+    binding follow it.)"""
+    from .test_operator import session
+
+    cluster.apply(cpu_cell("plain", 512), namespace)
+    cluster.apply(cpu_cell("twin", 512, baseline="plain"), namespace)
+
+    def verdict():
+        status = status_of(cluster, namespace, "cell", "twin")
+        cond = condition(status, "Certified")
+        return cond.get("status") in ("True", "False") and cond.get("reason") != "Certifying" and status
+
+    status = wait_until("the twin's certification", verdict, timeout=600, interval=2)
+    cond, cert = condition(status, "Certified"), status["certification"]
+    assert (cond["status"] == "True") == cert["certified"], (cond, cert)
+    pinned = session("to-twin", 256)
+    pinned["spec"]["cell"] = "twin"
+    cluster.apply(pinned, namespace)
+    if cert["certified"]:       # only the agent-turn gate can pass between equal cells: by 1.5x of noise
+        assert cert["gate"] == "agent-turn", cert
+        return
+    assert cert["reason"].startswith("no gate passed vs plain"), cert
+    assert cond["reason"] == "Gate" + "".join(w.capitalize() for w in cert["gate"].split("-")), (cond, cert)
+    st = wait_until("the pinned session pending", lambda: (s := status_of(cluster, namespace, "session", "to-twin"))
+                    .get("phase") == "Pending" and s.get("candidates") and s, timeout=60)
+    assert st["candidates"] == [{"cell": "twin", "chosen": False, "reason": "its certification failed"}], st

@@ -61,7 +61,10 @@ def test_extra_args_are_whitelisted():
     ann = api.ANNOTATION_CERTIFY_ARGS
     assert certification.extra_args({}) == []
     assert certification.extra_args({ann: "--repeats 1 --agent-turns 2"}) == ["--repeats", "1", "--agent-turns", "2"]
-    for bad, message in [("--repeats", "pairs"), ("--out /etc", "not one of"), ("--repeats -1", "positive number")]:
+    assert certification.extra_args({ann: "--agent-sessions turn --agent-decode-tokens 8"}) == [
+        "--agent-sessions", "turn", "--agent-decode-tokens", "8"]
+    for bad, message in [("--repeats", "pairs"), ("--out /etc", "not one of"), ("--repeats -1", "positive number"),
+                         ("--agent-sessions forever", "takes one of run, turn")]:
         with pytest.raises(ValueError, match=message):
             certification.extra_args({ann: bad})
 

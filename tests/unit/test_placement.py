@@ -166,7 +166,7 @@ EP = [api.Endpoint(pod="p0", url="http://127.20.0.2:8080", ready=True)]
 
 
 def view(name, family="smollm2", tier=8192, endpoints=EP, sessions=0, certified=True, p90=None, decode=None,
-         workload="agent", covering=None):
+         workload="agent", covering=None, gate=None):
     """A cell as the binding sees it; with a measured p90 its certification covers the session at its own tier."""
     spec = cell_spec(
         runtime={"backend": "torch"},
@@ -177,7 +177,7 @@ def view(name, family="smollm2", tier=8192, endpoints=EP, sessions=0, certified=
     )
     measured = p90 is not None or decode is not None
     return placement.CellView(name, spec, list(endpoints), sessions, certified, p90, decode,
-                              covering if covering is not None else (tier if measured else None))
+                              covering if covering is not None else (tier if measured else None), gate)
 
 
 def session(**kw) -> api.SessionSpec:
@@ -251,6 +251,14 @@ def test_the_sessions_workload_comes_first_and_every_cell_considered_says_why():
     assert placement.choose_cell(session(workload="chat"), cells).cell.name == "chatty"
     # no cell of the workload: the others still serve it
     assert placement.choose_cell(session(workload="batch"), cells).cell.name == "chatty"   # less loaded
+
+
+def test_a_cell_that_beat_its_baseline_comes_before_the_baseline():
+    cells = [view("a-baseline", gate="baseline"), view("winner", gate="agent-turn", sessions=3)]
+    fit = placement.choose_cell(session(), cells)
+    assert fit.cell.name == "winner"
+    assert dict((c, r) for c, _, r in fit.considered)["a-baseline"] == (
+        "fits, but is certified only as a baseline; winner beat its baseline (gate agent-turn)")
 
 
 def test_uncertified_cells_are_not_bound_by_default():

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent-turns", type=int, default=6, help="turns per agent run (default %(default)s)")
     p.add_argument("--agent-runs", type=int, default=2, help="agent runs (default %(default)s)")
     p.add_argument("--agent-tool-tokens", type=int, default=192, help="tool-output tokens appended per turn")
+    p.add_argument("--agent-decode-tokens", type=int, default=32, help="greedy tokens per agent turn")
+    p.add_argument("--agent-sessions", choices=["run", "turn"], default="run",
+                   help="run: one session per agent run; turn: a new session per turn, re-sending the transcript as a "
+                        "stateless client does (default %(default)s)")
     p.add_argument("--latency-budget-ms", type=float,
                    help="gate (b) budget; default: each budget the baseline needs (its first-output p90 per tier)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per request (default %(default)s)")
@@ -88,7 +92,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     has_baseline = bool(args.baseline_cell) if args.spawn else bool(args.baseline_endpoint)
     opts = harness.Options(tiers=tiers, repeats=args.repeats, decode_tokens=args.decode_tokens,
                            agent_turns=args.agent_turns, agent_repeats=args.agent_runs,
-                           agent_tool_tokens=args.agent_tool_tokens, latency_budget_ms=args.latency_budget_ms,
+                           agent_tool_tokens=args.agent_tool_tokens, agent_decode_tokens=args.agent_decode_tokens,
+                           agent_sessions=args.agent_sessions,
+                           latency_budget_ms=args.latency_budget_ms,
                            timeout_s=args.timeout_s)
     out = Path(args.out) if args.out else None
     workers = []

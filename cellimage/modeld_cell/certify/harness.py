@@ -42,6 +42,7 @@ class Options:
     agent_repeats: int = 2
     agent_tool_tokens: int = 192  # tokens of tool output appended per turn
     agent_decode_tokens: int = 32
+    agent_sessions: str = "run"  # run: one session per agent run; turn: a new session per turn (a stateless client)
     quality_tokens: int = 16  # greedy tokens per quality prompt
     latency_budget_ms: float | None = None  # gate (b); None: the baseline's own p90 per tier
     timeout_s: float = 1800.0  # per request
@@ -249,7 +250,12 @@ def tier_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_agent(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
     """One agent conversation: each turn appends a tool output (a token slice of the corpus) to the transcript,
-    re-sends the whole transcript with EnsurePrefix (prefix) and decodes greedily."""
+    re-sends the whole transcript with EnsurePrefix (prefix) and decodes greedily. ``agent_sessions`` "run": one
+    session holds the conversation (EnsurePrefix reuses what it holds); "turn": each turn is a new session, closed
+    after it, as a stateless client (an OpenAI-style API) sends it: only cross-session prefix reuse keeps the
+    earlier turns' KV."""
+    if opts.agent_sessions == "turn":
+        return _run_agent_per_turn(t, repeat, opts)
     sid = _sid(t.role, f"agent-{repeat}")
     messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1)}]
     n, turns = len(t.corpus), []
@@ -272,6 +278,32 @@ def run_agent(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
                 f"{e.message}", "turns": turns}
     finally:
         t.client.close(sid)
+    return {"status": "ok", "turns": turns}
+
+
+def _run_agent_per_turn(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
+    messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1)}]
+    n, turns = len(t.corpus), []
+    for i in range(opts.agent_turns):
+        start = n // 2 + (repeat * opts.agent_turns + i) * opts.agent_tool_tokens
+        text = t.client.detokenize([t.corpus[(start + j) % n] for j in range(opts.agent_tool_tokens)])
+        name = workload.CORPUS_FILES[(repeat * opts.agent_turns + i) % len(workload.CORPUS_FILES)]
+        messages.append({"role": "tool", "content": workload.AGENT_TOOL.format(name=name, part=i + 1, text=text)})
+        sid = _sid(t.role, f"agent-{repeat}-turn-{i}")
+        try:
+            t0 = time.perf_counter()
+            pre = t.client.prefix(sid, messages=messages, add_generation_prompt=True)
+            d = t.client.decode(sid, opts.agent_decode_tokens)
+        except CellError as e:
+            return {"status": "refused" if e.refused else "error", "error": f"turn {len(turns) + 1}: {e.kind}: "
+                    f"{e.message}", "turns": turns}
+        finally:
+            t.client.close(sid)
+        turns.append({"turn_ms": (time.perf_counter() - t0) * 1e3, "prompt_tokens": pre["prompt_tokens"],
+                      "tokens_reused": pre["tokens_reused"], "tokens_computed": pre["tokens_computed"],
+                      "completion_tokens": d["trace"]["completion_tokens"],
+                      "first_output_ms": d["trace"]["first_output_ms"]})
+        messages.append({"role": "assistant", "content": d["text"]})
     return {"status": "ok", "turns": turns}
 
 
@@ -355,7 +387,7 @@ def run(cell: Target, baseline: Target | None, opts: Options, command: str = "")
             "version": workload.WORKLOAD_VERSION, "tiers": list(opts.tiers), "repeats": opts.repeats,
             "decode_tokens": opts.decode_tokens,
             "agent": {"turns": opts.agent_turns, "runs": opts.agent_repeats, "tool_tokens": opts.agent_tool_tokens,
-                      "decode_tokens": opts.agent_decode_tokens},
+                      "decode_tokens": opts.agent_decode_tokens, "sessions": opts.agent_sessions},
             "quality": {"prompts": len(workload.QUALITY_PROMPTS), "tokens": opts.quality_tokens},
             "corpus": {"python": platform.python_version(), "files": files},
         },

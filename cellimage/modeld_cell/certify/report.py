@@ -123,7 +123,9 @@ def markdown(report: dict[str, Any], png_name: str | None = None) -> str:
     ag = wl["agent"]
     lines += ["", "## Agent turns (ms)", "",
               f"{ag['runs']} runs × {ag['turns']} turns; each turn appends {ag['tool_tokens']} tokens of tool output, "
-              f"re-sends the transcript with EnsurePrefix and decodes {ag['decode_tokens']} tokens greedily.", "",
+              f"re-sends the transcript with EnsurePrefix and decodes {ag['decode_tokens']} tokens greedily; "
+              + ("a new session per turn (a stateless client: only cross-session prefix reuse keeps earlier turns)."
+                 if ag.get("sessions") == "turn" else "one session per run."), "",
               "| cell | status | turn p50 | p90 | p95 | last transcript tokens | tokens reused / computed |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for s in sections:

@@ -59,6 +59,7 @@ def _cell_views(namespace: str, required: int) -> list[placement.CellView]:
                 first_output_p90_ms=fo,
                 decode_p90_ms=dec,
                 covering_tier=tier,
+                gate=(status.get("certification") or {}).get("gate"),
             )
         )
     return views
