@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Re-measure the figures docs/ quotes from runs whose JSON was not kept, each into docs/bench/<today>/<name>.json
 # with the command that made it (every benchmark writes its command into its JSON). One step per benchmark, each
-# capped; a failing step is reported and the rest still run. On 2 cores the whole set takes about an hour: run it on
-# an idle machine, then update the doc tables from the JSON.
+# capped; a failing step is reported and the rest still run. On this 2-core machine (2026-12-01) the steps up to
+# sparse-long took about 16 minutes and the int4 steps about 20 more: run it on an idle machine, then update the doc
+# tables from the JSON. The peer comparison is not a step (it needs hack/peers-setup.sh: docs/cell-benchmarks.md).
 #
 #   hack/doc-figures.sh                  # every step
 #   hack/doc-figures.sh kernels agent    # the steps named (see STEPS below)
@@ -25,6 +26,8 @@ STEPS=(
   "profiles|900|benchmarks/profiles_cpu.py --out $OUT/profiles_cpu.json"                            # kernels.md, worker.md
   "int4|900|benchmarks/profiles_cpu.py --sections quality --kv int4 --out $OUT/int4.json"           # kernels.md
   "sparse-long|2400|benchmarks/sparse_long.py --contexts 8000,16384,32768 --out $OUT/sparse_long.json"
+  "int4-diag|900|benchmarks/int4_diag.py --variant base --seeds 4,2 --modes kv,k,v,kv-sink --out $OUT/int4_diag.jsonl"   # kernels.md
+  "int4-variants|2400|benchmarks/int4_variants.py --variants uni15-clip,uni16-signed-clip,asym64-clip,lloyd-signed-clip,nf4-clip,base --seeds 1,2,3,4 --out $OUT/int4_variants.jsonl"
 )
 
 want=" $* "
