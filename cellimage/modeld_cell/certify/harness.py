@@ -46,6 +46,8 @@ class Options:
     quality_tokens: int = 16  # greedy tokens per quality prompt
     latency_budget_ms: float | None = None  # gate (b); None: the baseline's own p90 per tier
     timeout_s: float = 1800.0  # per request
+    # in every tier prompt's and agent run's first tokens: nothing an earlier run sent is in a cell's prefix cache
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
 @dataclass
@@ -194,7 +196,7 @@ def agreement(cell: Target, base: Target) -> tuple[float, float, bool]:
 def run_tier(t: Target, tier: int, repeat: int, opts: Options) -> dict[str, Any]:
     sid = _sid(t.role, f"{tier}-{repeat}")
     try:
-        p = workload.tier_prompt(t.client.tokenize, t.corpus, tier, repeat, opts.decode_tokens)
+        p = workload.tier_prompt(t.client.tokenize, t.corpus, tier, repeat, opts.decode_tokens, opts.nonce)
     except ValueError as e:
         return {"status": "error", "error": str(e)}
     counted = "collective_ms_total" in (t.capability.get("parallel") or {})   # ranks sharing each decode step
@@ -257,7 +259,7 @@ def run_agent(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
     if opts.agent_sessions == "turn":
         return _run_agent_per_turn(t, repeat, opts)
     sid = _sid(t.role, f"agent-{repeat}")
-    messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1)}]
+    messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1, nonce=opts.nonce)}]
     n, turns = len(t.corpus), []
     try:
         for i in range(opts.agent_turns):
@@ -282,7 +284,7 @@ def run_agent(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
 
 
 def _run_agent_per_turn(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
-    messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1)}]
+    messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1, nonce=opts.nonce)}]
     n, turns = len(t.corpus), []
     for i in range(opts.agent_turns):
         start = n // 2 + (repeat * opts.agent_turns + i) * opts.agent_tool_tokens
@@ -384,7 +386,7 @@ def run(cell: Target, baseline: Target | None, opts: Options, command: str = "")
     return {
         "schema": SCHEMA_ID,
         "workload": {
-            "version": workload.WORKLOAD_VERSION, "tiers": list(opts.tiers), "repeats": opts.repeats,
+            "version": workload.WORKLOAD_VERSION, "nonce": opts.nonce, "tiers": list(opts.tiers), "repeats": opts.repeats,
             "decode_tokens": opts.decode_tokens,
             "agent": {"turns": opts.agent_turns, "runs": opts.agent_repeats, "tool_tokens": opts.agent_tool_tokens,
                       "decode_tokens": opts.agent_decode_tokens, "sessions": opts.agent_sessions},

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOAD_VERSION = "modeld.certify-workload/1"
+WORKLOAD_VERSION = "modeld.certify-workload/2"
 
 CORPUS_FILES = (  # relative to the running interpreter's stdlib
     "logging/__init__.py", "typing.py", "asyncio/base_events.py", "email/message.py", "json/decoder.py",
@@ -23,7 +23,7 @@ CORPUS_FILES = (  # relative to the running interpreter's stdlib
     "inspect.py", "threading.py", "tarfile.py", "enum.py", "functools.py", "shutil.py",
 )
 
-PASSKEY_INTRO = ("Archive document {doc}. There is an important pass key hidden inside a lot of irrelevant text. "
+PASSKEY_INTRO = ("Archive document {doc} of set {run}. There is an important pass key hidden inside a lot of irrelevant text. "
                  "Find it and memorize it. I will quiz you about the pass key.\n\n")
 PASSKEY_NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
@@ -44,7 +44,7 @@ QUALITY_PROMPTS = (  # chat prompts; each cell continues them greedily and the c
 )
 
 AGENT_SYSTEM = ("You are a coding agent working in a Python repository. After each tool output, state the next step "
-                "in one short sentence. Run {run}.")
+                "in one short sentence. Run {run} of set {nonce}.")
 AGENT_TOOL = "read_file {name} (part {part}):\n{text}"
 
 
@@ -77,12 +77,14 @@ class TierPrompt:
 
 
 def tier_prompt(tokenize: Callable[[str], list[int]], corpus_ids: list[int], tier: int, repeat: int,
-                decode_tokens: int) -> TierPrompt:
-    """Exactly ``tier - decode_tokens`` tokens: an intro naming the document (so no two repeats share their first
-    tokens), corpus filler with the passkey needle at a fixed depth, then the question. The filler starts at another
-    corpus offset per repeat and wraps around for tiers longer than the corpus."""
+                decode_tokens: int, nonce: str = "0") -> TierPrompt:
+    """Exactly ``tier - decode_tokens`` tokens: an intro naming the document and the run's ``nonce`` (so no two
+    repeats share their first tokens, and no prompt of an earlier certification run sits in a cell's prefix cache:
+    a cold prompt stays cold on a cell with cross-session reuse), corpus filler with the passkey needle at a fixed
+    depth, then the question. The filler starts at another corpus offset per repeat and wraps around for tiers
+    longer than the corpus."""
     key = passkey(tier, repeat)
-    intro = tokenize(PASSKEY_INTRO.format(doc=f"{tier}-{repeat + 1}"))
+    intro = tokenize(PASSKEY_INTRO.format(doc=f"{tier}-{repeat + 1}", run=nonce))
     needle, question = tokenize(PASSKEY_NEEDLE.format(key=key)), tokenize(PASSKEY_QUESTION)
     n = tier - decode_tokens
     fill = n - len(intro) - len(needle) - len(question)
