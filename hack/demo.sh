@@ -32,10 +32,9 @@ if ! { [[ -f $dir/operator.pid ]] && kill -0 "$(cat "$dir/operator.pid")" 2>/dev
   echo $! > "$dir/operator.pid"
 fi
 
-echo "== a narrow CPU cell (prefix reuse), its real baseline (no reuse), a cell the gates reject, and a session in namespace $NS"
+echo "== a narrow CPU cell (prefix reuse), its real baseline (no reuse) and a cell the gates reject, in namespace $NS"
 k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
-k apply -n "$NS" -f examples/cell-cpu-noreuse.yaml -f examples/cell-cpu.yaml -f examples/cell-cpu-fp16kv.yaml \
-  -f examples/session.yaml
+k apply -n "$NS" -f examples/cell-cpu-noreuse.yaml -f examples/cell-cpu.yaml -f examples/cell-cpu-fp16kv.yaml
 # The HGX and L40S cells are accepted but not served by this worker version (multi-rank shapes): they show Refused with
 # the field and the nodes their topology fits, and get no pods (kubectl get cells -o wide shows the reason).
 k apply -n "$NS" -f examples/cell-h100-nvswitch.yaml -f examples/cell-l40s-pcie.yaml
@@ -43,6 +42,8 @@ CELLS="cell/smollm2-cpu cell/smollm2-cpu-noreuse cell/smollm2-cpu-fp16kv"
 k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready $CELLS --timeout=600s >/dev/null
 echo "== certification Jobs measure each cell against its baseline (a few minutes on 2 cores)"
 k wait -n "$NS" --for=jsonpath='{.status.certification.measuredAt}' $CELLS --timeout=1800s >/dev/null
+echo "== an agent Session, once every verdict is in: the operator binds it to the certified winner"
+k apply -n "$NS" -f examples/session.yaml
 k wait -n "$NS" --for=jsonpath='{.status.phase}'=Bound session/agent-1 --timeout=120s >/dev/null
 k get -n "$NS" cells,sessions -o wide
 echo

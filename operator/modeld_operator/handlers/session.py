@@ -46,7 +46,9 @@ def _cell_views(namespace: str, required: int) -> list[placement.CellView]:
         except ValidationError:
             continue  # the cell's own handler reports it
         status = obj.get("status") or {}
-        certified = next((c.get("status") == "True" for c in status.get("conditions") or [] if c.get("type") == "Certified"), None)
+        # True / False as the Certified condition says; None while it is Unknown (being measured) or absent
+        certified = next(({"True": True, "False": False}.get(c.get("status") or "")
+                          for c in status.get("conditions") or [] if c.get("type") == "Certified"), None)
         summary = (status.get("certification") or {}).get("summary") or {}
         tier, fo, dec = covering(summary, required)
         views.append(
