@@ -16,6 +16,8 @@ import time
 import urllib.error
 import urllib.request
 
+from modeld_cell.certify.harness import stats
+
 SYSTEM = "You are a concise assistant inside a coding agent. Answer in one short sentence."
 TURNS = [
     "What is the capital of France?",
@@ -68,21 +70,9 @@ def main() -> None:
         )
     totals = out["trace"]["totals"]
     print("session totals:", json.dumps(totals))
-    pct = ", ".join(f"{k} {v:,.0f}" for k, v in percentiles(turn_ms).items())
+    st = stats(turn_ms) or {}                  # the certification harness's percentiles
+    pct = ", ".join(f"{k} {st[k]:,.0f}" for k in ("p50", "p90", "p95"))
     print(f"end-to-end turn ms through the binding (client clock, {len(turn_ms)} turns): {pct}")
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    """p50 / p90 / p95 by linear interpolation between order statistics (as the certification harness)."""
-    s = sorted(xs)
-
-    def q(p: float) -> float:
-        k = (len(s) - 1) * p
-        lo = int(k)
-        hi = min(lo + 1, len(s) - 1)
-        return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-    return {"p50": q(0.5), "p90": q(0.9), "p95": q(0.95)}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import wait_until
-from .test_operator import condition, cpu_cell, status_of
+from .test_operator import certification_verdict, condition, cpu_cell, status_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -22,12 +22,8 @@ def test_cell_certified_against_its_baseline(cluster, operator, namespace):
     cluster.apply(cpu_cell("base", 512), namespace)
     cluster.apply(candidate(), namespace)
 
-    def verdict(name):
-        status = status_of(cluster, namespace, "cell", name)
-        cond = condition(status, "Certified")
-        return cond.get("status") in ("True", "False") and cond.get("reason") != "Certifying" and status
-
-    status = wait_until("the candidate's certification", lambda: verdict("cand"), timeout=600, interval=2)
+    status = wait_until("the candidate's certification", lambda: certification_verdict(cluster, namespace, "cand"),
+                        timeout=600, interval=2)
     cond = condition(status, "Certified")
     cert = status["certification"]
     summary = cert["summary"]
@@ -42,7 +38,8 @@ def test_cell_certified_against_its_baseline(cluster, operator, namespace):
     assert cert["topology"] == "cpu" and summary["baseline"] == "base"
     assert cert["key"] and cert["job"].startswith("certify-cand-")
 
-    base = wait_until("the baseline's own certification", lambda: verdict("base"), timeout=600, interval=2)
+    base = wait_until("the baseline's own certification", lambda: certification_verdict(cluster, namespace, "base"),
+                      timeout=600, interval=2)
     assert base["certification"]["gate"] == "baseline"
 
     # `kubectl get cells` tells the story.
@@ -77,12 +74,8 @@ def test_a_cell_with_no_gain_over_its_baseline_is_rejected_and_sessions_do_not_b
     cluster.apply(cpu_cell("plain", 512), namespace)
     cluster.apply(cpu_cell("twin", 512, baseline="plain"), namespace)
 
-    def verdict():
-        status = status_of(cluster, namespace, "cell", "twin")
-        cond = condition(status, "Certified")
-        return cond.get("status") in ("True", "False") and cond.get("reason") != "Certifying" and status
-
-    status = wait_until("the twin's certification", verdict, timeout=600, interval=2)
+    status = wait_until("the twin's certification", lambda: certification_verdict(cluster, namespace, "twin"),
+                        timeout=600, interval=2)
     cond, cert = condition(status, "Certified"), status["certification"]
     assert (cond["status"] == "True") == cert["certified"], (cond, cert)
     pinned = session("to-twin", 256)

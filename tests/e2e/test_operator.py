@@ -48,6 +48,14 @@ def condition(status, type_):
     return next((c for c in status.get("conditions", []) if c["type"] == type_), {})
 
 
+def certification_verdict(cluster, namespace, name):
+    """The Cell's status once its Certified condition holds a verdict (True or False, not Certifying), else False:
+    a wait_until condition."""
+    status = status_of(cluster, namespace, "cell", name)
+    cond = condition(status, "Certified")
+    return cond.get("status") in ("True", "False") and cond.get("reason") != "Certifying" and status
+
+
 def test_cpu_pods_land_only_on_their_topology(cluster, operator, namespace):
     cluster.apply(cell("c", 0, "none", 2), namespace)
     pods = wait_until("pods bound by kube-scheduler", lambda: scheduled(cluster, namespace, "c", 2), timeout=90)
@@ -276,12 +284,8 @@ def test_a_sharded_kv_cell_runs_its_cpu_ranks_serves_from_rank_0_and_is_certifie
     out = post(f"{url}/v1/sessions/s/decode", {"max_tokens": 4})
     assert out["trace"]["completion_tokens"] >= 1
 
-    def verdict():
-        st = status_of(cluster, namespace, "cell", "sharded")
-        cond = condition(st, "Certified")
-        return cond.get("status") in ("True", "False") and cond.get("reason") != "Certifying" and st
-
-    st = wait_until("the sharded cell's certification", verdict, timeout=600, interval=2)
+    st = wait_until("the sharded cell's certification",
+                    lambda: certification_verdict(cluster, namespace, "sharded"), timeout=600, interval=2)
     cond, cert = condition(st, "Certified"), st["certification"]
     # the verdict is a measurement of this machine: the condition follows from what the Job measured (quality and
     # the passkey at 1024, a tier the single-rank baseline cannot hold; the share of a decode step rank 0 spent in

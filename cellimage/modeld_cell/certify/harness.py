@@ -256,9 +256,8 @@ def run_agent(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
     session holds the conversation (EnsurePrefix reuses what it holds); "turn": each turn is a new session, closed
     after it, as a stateless client (an OpenAI-style API) sends it: only cross-session prefix reuse keeps the
     earlier turns' KV."""
-    if opts.agent_sessions == "turn":
-        return _run_agent_per_turn(t, repeat, opts)
-    sid = _sid(t.role, f"agent-{repeat}")
+    per_turn = opts.agent_sessions == "turn"
+    run_sid = _sid(t.role, f"agent-{repeat}")
     messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1, nonce=opts.nonce)}]
     n, turns = len(t.corpus), []
     try:
@@ -267,9 +266,14 @@ def run_agent(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
             text = t.client.detokenize([t.corpus[(start + j) % n] for j in range(opts.agent_tool_tokens)])
             name = workload.CORPUS_FILES[(repeat * opts.agent_turns + i) % len(workload.CORPUS_FILES)]
             messages.append({"role": "tool", "content": workload.AGENT_TOOL.format(name=name, part=i + 1, text=text)})
-            t0 = time.perf_counter()
-            pre = t.client.prefix(sid, messages=messages, add_generation_prompt=True)
-            d = t.client.decode(sid, opts.agent_decode_tokens)
+            sid = _sid(t.role, f"agent-{repeat}-turn-{i}") if per_turn else run_sid
+            try:
+                t0 = time.perf_counter()
+                pre = t.client.prefix(sid, messages=messages, add_generation_prompt=True)
+                d = t.client.decode(sid, opts.agent_decode_tokens)
+            finally:
+                if per_turn:
+                    t.client.close(sid)
             turns.append({"turn_ms": (time.perf_counter() - t0) * 1e3, "prompt_tokens": pre["prompt_tokens"],
                           "tokens_reused": pre["tokens_reused"], "tokens_computed": pre["tokens_computed"],
                           "completion_tokens": d["trace"]["completion_tokens"],
@@ -279,33 +283,8 @@ def run_agent(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
         return {"status": "refused" if e.refused else "error", "error": f"turn {len(turns) + 1}: {e.kind}: "
                 f"{e.message}", "turns": turns}
     finally:
-        t.client.close(sid)
-    return {"status": "ok", "turns": turns}
-
-
-def _run_agent_per_turn(t: Target, repeat: int, opts: Options) -> dict[str, Any]:
-    messages = [{"role": "system", "content": workload.AGENT_SYSTEM.format(run=repeat + 1, nonce=opts.nonce)}]
-    n, turns = len(t.corpus), []
-    for i in range(opts.agent_turns):
-        start = n // 2 + (repeat * opts.agent_turns + i) * opts.agent_tool_tokens
-        text = t.client.detokenize([t.corpus[(start + j) % n] for j in range(opts.agent_tool_tokens)])
-        name = workload.CORPUS_FILES[(repeat * opts.agent_turns + i) % len(workload.CORPUS_FILES)]
-        messages.append({"role": "tool", "content": workload.AGENT_TOOL.format(name=name, part=i + 1, text=text)})
-        sid = _sid(t.role, f"agent-{repeat}-turn-{i}")
-        try:
-            t0 = time.perf_counter()
-            pre = t.client.prefix(sid, messages=messages, add_generation_prompt=True)
-            d = t.client.decode(sid, opts.agent_decode_tokens)
-        except CellError as e:
-            return {"status": "refused" if e.refused else "error", "error": f"turn {len(turns) + 1}: {e.kind}: "
-                    f"{e.message}", "turns": turns}
-        finally:
-            t.client.close(sid)
-        turns.append({"turn_ms": (time.perf_counter() - t0) * 1e3, "prompt_tokens": pre["prompt_tokens"],
-                      "tokens_reused": pre["tokens_reused"], "tokens_computed": pre["tokens_computed"],
-                      "completion_tokens": d["trace"]["completion_tokens"],
-                      "first_output_ms": d["trace"]["first_output_ms"]})
-        messages.append({"role": "assistant", "content": d["text"]})
+        if not per_turn:
+            t.client.close(run_sid)
     return {"status": "ok", "turns": turns}
 
 

@@ -91,13 +91,12 @@ class PipelineRunner(MirroredLocal, RankRunner):
         forward (each adds its own). Rank 0 waits for the pipe from its send to the logits' arrival; that wait less the
         others' compute is the transfers (``collective_s``, the communication), the rest is the bubble
         (``bubble_s``): one session's forward visiting the ranks in turn."""
-        m, kind = self.model, meta.kind
-        k = "decode" if kind == "decode" else "prefill"
+        m = self.model
+        k = "decode" if meta.kind == "decode" else "prefill"
         dev = tokens.device
         first, last = self.rank == 0, self.rank == self.world - 1
         n_rows = rows.shape[0] if rows is not None else tokens.shape[0]
         if first:
-            t_pipe = time.perf_counter()
             x = m.tok_embeddings(tokens)
             busy = 0.0
         else:
