@@ -38,12 +38,11 @@ def _pod_endpoints(pod: dict[str, Any], port: int, copies: int = 1) -> tuple[lis
     if not ip or status.get("phase") != "Running" or meta.get("deletionTimestamp"):
         return [api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), copyIndex=index(i))
                 for i in range(copies)], None
+    kubelet_ready = conds.get("Ready", {}).get("status") == "True"   # it probes copy 0's port only
     out = []
     for i in range(copies):
         url = f"http://{ip}:{port + i}"
-        # the kubelet probes copy 0's port; every copy answers its own /readyz below
-        ready = conds.get("Ready", {}).get("status") == "True"
-        refusal = None
+        ready, refusal = kubelet_ready, None                           # every copy answers its own /readyz below
         if SETTINGS.probe_endpoints:
             # asked even when the kubelet says not ready: a worker that refused its spec says why on /readyz
             code, body = kube.http_json("GET", f"{url}/readyz", SETTINGS.probe_timeout)
