@@ -104,9 +104,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             from .spawn import Worker
 
             logdir = Path(tempfile.mkdtemp(prefix="modeld-certify-"))  # worker logs stay out of the report dir
-            workers.append(Worker("cell", args.cell, logdir / "worker-cell.log"))
+            workers.append(Worker("cell", args.cell, logdir / "worker-cell.log", spec))
             if has_baseline:
-                workers.append(Worker("baseline", args.baseline_cell, logdir / "worker-baseline.log"))
+                workers.append(Worker("baseline", args.baseline_cell, logdir / "worker-baseline.log", bspec))
             for w in workers:
                 w.wait_ready()
             cell_url = workers[0].url

@@ -1,5 +1,8 @@
 """``--spawn``: start cell workers as local subprocesses (``python -m modeld_cell serve``) on free loopback ports,
-wait until they are ready, and stop them (SIGTERM, then SIGKILL) afterwards."""
+wait until they are ready, and stop them (SIGTERM, then SIGKILL) afterwards. A multi-rank cell (``runtime.ranks``
+processes for any parallelism but ``single``) starts the way its pod does: under torch's launcher
+(``python -m torch.distributed.run --standalone --nproc-per-node N``), which stops every rank when it is stopped; a
+data-parallel cell's copies serve on consecutive ports and the certification measures copy 0."""
 
 from __future__ import annotations
 
@@ -14,21 +17,46 @@ from pathlib import Path
 
 import modeld_cell
 
-from .client import Client
+from .client import CellError, Client
 
 log = logging.getLogger("modeld_cell.certify")
 READY_S = 900.0  # model load on a loaded machine; a safety net, never a measured timing
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
+    """A loopback port ``p`` with ``p .. p + span - 1`` all free when asked (a data-parallel cell's copies)."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span <= 65536 and all(_free(port + i) for i in range(1, span)):
+            return port
+    raise RuntimeError(f"no {span} consecutive free loopback ports")
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def ranks_of(spec: dict) -> int:
+    """Processes the cell runs (operator placement.ranks_of, on the manifest's plain mapping): 1 for ``single``,
+    else ``runtime.ranks`` or ``topology.gpus``."""
+    rt = spec.get("runtime") or {}
+    if rt.get("parallelism", "single") == "single":
+        return 1
+    return int(rt.get("ranks") or (spec.get("topology") or {}).get("gpus") or 1)
 
 
 class Worker:
-    def __init__(self, name: str, cell_file: str, log_path: Path):
-        self.name, self.port = name, free_port()
+    def __init__(self, name: str, cell_file: str, log_path: Path, spec: dict | None = None):
+        ranks = ranks_of(spec or {})
+        data = (spec or {}).get("runtime", {}).get("parallelism") == "data"
+        self.name, self.port = name, free_port(ranks if data else 1)
         self.url = f"http://127.0.0.1:{self.port}"
         import modeld_api  # the worker validates its spec with the API package
 
@@ -37,14 +65,23 @@ class Worker:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        launcher = ([] if ranks == 1 else
+                    ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "modeld_cell", "serve", "--cell", cell_file, "--host", "127.0.0.1",
+            [sys.executable, *launcher, "-m", "modeld_cell", "serve", "--cell", cell_file, "--host", "127.0.0.1",
              "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        log.info("spawned %s (pid %d) on %s, log %s", name, self.proc.pid, self.url, log_path)
+        log.info("spawned %s (pid %d, %d rank%s) on %s, log %s", name, self.proc.pid, ranks, "s"[:ranks > 1],
+                 self.url, log_path)
 
     def wait_ready(self, timeout_s: float = READY_S) -> None:
         client, end = Client(self.url, timeout_s=10), time.monotonic() + timeout_s
-        while not client.ready():
+        while True:
+            try:
+                if client.call("GET", "/readyz").get("ready"):
+                    return
+            except CellError as e:   # a worker that refused its spec stays up saying why: no point waiting
+                if "refused its cell spec" in e.message:
+                    raise RuntimeError(f"worker {self.name}: {e.message}") from None
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n{tail}")
