@@ -148,6 +148,23 @@ class Topology(_Model):
     )
 
 
+class RopeScalingType(str, Enum):
+    linear = "linear"
+
+
+class RopeScaling(_Model):
+    type: RopeScalingType = Field(
+        default=RopeScalingType.linear,
+        description="linear: position interpolation, every position p is encoded as p / factor (Chen et al. 2023, "
+        "arXiv:2306.15595; Hugging Face's rope_scaling {type: linear}).",
+    )
+    factor: float = Field(
+        gt=1, le=32,
+        description="How far past the trained context: the worker serves contextTier up to the model's trained "
+        "context times factor. The model was not trained so: the certification's quality smoke and passkey judge it.",
+    )
+
+
 class ModelRef(_Model):
     family: str = Field(pattern=FAMILY_PATTERN, description="Model family, e.g. smollm2, llama3, qwen2.")
     ref: str = Field(
@@ -163,6 +180,11 @@ class ModelRef(_Model):
     )
     format: ModelFormat = Field(default=ModelFormat.gguf, description="gguf or safetensors (+ config.json, tokenizer.json).")
     adapter: str | None = Field(default=None, max_length=256, description="Optional adapter (LoRA) reference; part of the cache identity.")
+    ropeScaling: RopeScaling | None = Field(
+        default=None,
+        description="RoPE scaling to serve a context tier beyond the model's trained context (part of the cache "
+        "identity). Refused for a model whose checkpoint already scales its RoPE.",
+    )
 
 
 class Profile(_Model):
@@ -337,6 +359,8 @@ class CertificationSummary(_Model):
     measuredAt: str = Field(description="RFC 3339 time of the measurement.")
     firstOutputP90Ms: dict[str, float | None] = Field(default_factory=dict, description="Per context tier.")
     agentTurnP50Ms: float | None = Field(default=None, description="End-to-end agent turn p50.")
+    agentTurnP90Ms: float | None = Field(default=None, description="End-to-end agent turn p90.")
+    agentTurnP95Ms: float | None = Field(default=None, description="End-to-end agent turn p95.")
     quality: str = Field(pattern="^(pass|fail)$", description="The quality smoke's verdict.")
     passkeyTiers: list[int] | None = Field(default=None, description="Tiers whose passkey runs passed.")
     contextTier: int = Field(ge=0, description="The capability's context tier.")

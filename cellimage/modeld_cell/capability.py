@@ -43,6 +43,8 @@ def capability(e: Engine) -> dict:
     return {
         "context_tier": e.context_tier,
         "model_max_context": a.max_seq_len,
+        "model_trained_context": a.trained_max_seq_len or a.max_seq_len,
+        "rope_scaling": a.rope_scaling,
         "kv": {"precision": e.kv.fmt.name, "storage": str(e.kv.fmt.storage).removeprefix("torch."),
                "scales": e.kv.fmt.scales,
                "block_size": e.kv.block_size,

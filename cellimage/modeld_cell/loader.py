@@ -35,12 +35,32 @@ def serveable_tier(model: Transformer, tier: int) -> int:
     (no sliding-window attention here)."""
     a = model.args
     if tier > a.max_seq_len:
-        raise errors.BadRequest(f"contextTier {tier} exceeds the model's trained context {a.max_seq_len}",
-                                field="contextTier")
+        trained = a.trained_max_seq_len or a.max_seq_len
+        how = (f"its trained context {trained} x model.ropeScaling.factor {a.rope_scaling['factor']:g}"
+               if a.trained_max_seq_len else f"the model's trained context {trained}; model.ropeScaling serves "
+               "more, judged by the certification")
+        raise errors.BadRequest(f"contextTier {tier} exceeds {how}", field="contextTier")
     if a.sliding_window and tier > a.sliding_window:
         raise errors.Unsupported(f"contextTier {tier} exceeds the model's sliding window {a.sliding_window}; "
                                  "sliding-window attention is not implemented", field="contextTier")
     return tier
+
+
+def scale_rope(model: Transformer, scaling: Any) -> None:
+    """Apply ``spec.model.ropeScaling`` (linear position interpolation): positions are encoded as p / factor and the
+    model serves up to its trained context x factor (``args.trained_max_seq_len`` keeps the trained one). Unsupported,
+    naming the field, for a checkpoint that already scales its RoPE (two scalings would compound)."""
+    if scaling is None:
+        return
+    a = model.args
+    if a.rope_scaling:
+        raise errors.Unsupported(f"model.ropeScaling: the checkpoint already scales its RoPE ({a.rope_scaling}); "
+                                 "a second scaling is not applied", field="model.ropeScaling")
+    factor = float(scaling.factor)
+    a.rope_scaling = {"type": "linear", "factor": factor}
+    a.trained_max_seq_len = a.max_seq_len
+    a.max_seq_len = int(a.max_seq_len * factor)
+    model.init_rope()
 
 
 def probe_model(model: Transformer) -> None:
@@ -129,6 +149,7 @@ def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None) -> 
     # a LoRA adapter (models/lora.py) is read and checked against the model's shapes before the model is built
     adapter = load_adapter(str(cfg.adapter), ckpt.args) if cfg.adapter else None
     model, digest, source_sha = build_model(ckpt, _DTYPES[cfg.weights], device=cfg.device, layers=layers)
+    scale_rope(model, cfg.spec.model.ropeScaling)
     if cfg.model_digest and cfg.model_digest not in (digest, digest.removeprefix("sha256:")):
         raise errors.BadRequest(f"model.digest {cfg.model_digest} does not match the loaded weights {digest}",
                                 field="model.digest", expected=cfg.model_digest, loaded=digest)

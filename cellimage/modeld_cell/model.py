@@ -45,7 +45,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None     # {"type": "linear", "factor"} | {"type": "llama3", "factor", ...}
-    max_seq_len: int = 4096              # trained context length
+    max_seq_len: int = 4096              # context length served (the trained one unless spec.model.ropeScaling)
+    trained_max_seq_len: int | None = None  # the trained one, when a spec's RoPE scaling extends max_seq_len
     tie_embeddings: bool = False
     qkv_bias: bool = False               # Qwen2
     sliding_window: int | None = None    # Mistral v0.1; the engine refuses tiers beyond it (no SWA here)

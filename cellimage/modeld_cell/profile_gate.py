@@ -31,7 +31,7 @@ import torch
 from . import __version__, errors, quality
 
 # Bump when quality_smoke's prompts, token counts or measured fields change: cached measurements then no longer apply.
-SMOKE_VERSION = 1
+SMOKE_VERSION = 2                      # 2: the reference's capital and passkey answers too
 # The CPU flags that pick different kernels (and so different rounding) in torch's CPU paths and oneDNN.
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 _ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")

@@ -8,6 +8,9 @@
                      first divergence, as a fraction of all generated
   capital            "The capital of France is" -> greedy text contains "Paris"
   passkey            a 5-digit pass key hidden in filler text is repeated back
+(capital and passkey are asked of the reference too: ``check`` fails a profile on them only where the reference
+answers, so a model that misses them on its exact path, e.g. under spec.model.ropeScaling, is not a profile's fault;
+the certification's passkey per tier judges the model.)
 ``check(profile, result)`` compares a result with ``PROFILE_THRESHOLDS[profile]`` -- the one place the thresholds
 live (docs/kernels.md "Profiles in the worker" quotes them with the measured values) -- and returns the failures.
 The certification harness can reuse both.
@@ -132,25 +135,27 @@ async def quality_smoke(engine: Engine, reference_engine: Engine, n_tokens: int 
         agree += a
         kls += k
 
-    sid = f"quality-{next(_ids)}"
-    try:
-        capital = tok.decode(await _greedy(engine, sid, tok.encode("The capital of France is"), 8))
-    finally:
-        engine.close_session(sid)
-    pk_ids = tok.encode(passkey_prompt(passkey_repeats))
-    sid = f"quality-{next(_ids)}"
-    try:
-        passkey = tok.decode(await _greedy(engine, sid, pk_ids, 8))
-    finally:
-        engine.close_session(sid)
+    async def answer(e: Engine, ids: list[int]) -> str:
+        sid = f"quality-{next(_ids)}"
+        try:
+            return tok.decode(await _greedy(e, sid, ids, 8))
+        finally:
+            e.close_session(sid)
+
+    cap_ids, pk_ids = tok.encode("The capital of France is"), tok.encode(passkey_prompt(passkey_repeats))
+    capital, passkey = await answer(engine, cap_ids), await answer(engine, pk_ids)
+    # the reference's answers too: a profile is judged on what it loses, so a miss the exact path makes as well (a
+    # model that cannot, e.g. under RoPE scaling) is the model's, recorded here and judged by the certification
+    ref_capital, ref_passkey = await answer(reference_engine, cap_ids), await answer(reference_engine, pk_ids)
     return {
         "positions": len(agree),
         "greedy_agreement": round(sum(agree) / len(agree), 4),
         "kl_mean": round(sum(kls) / len(kls), 6),
         "kl_max": round(max(kls), 6),
         "free_run_match": round(match / max(total, 1), 4),
-        "capital": {"text": capital, "ok": "Paris" in capital},
-        "passkey": {"text": passkey, "ok": PASSKEY in passkey, "prompt_tokens": len(pk_ids)},
+        "capital": {"text": capital, "ok": "Paris" in capital, "reference_ok": "Paris" in ref_capital},
+        "passkey": {"text": passkey, "ok": PASSKEY in passkey, "prompt_tokens": len(pk_ids),
+                    "reference_ok": PASSKEY in ref_passkey},
     }
 
 
@@ -165,7 +170,7 @@ def check(profile: str, result: dict[str, Any], thresholds: dict[str, Any] | Non
         out.append(f"mean next-token KL {result['kl_mean']} > {t['kl_mean_max']}")
     if result["kl_max"] > t["kl_max_max"]:
         out.append(f"max next-token KL {result['kl_max']} > {t['kl_max_max']}")
-    for name in ("capital", "passkey"):
-        if t[name] and not result[name]["ok"]:
+    for name in ("capital", "passkey"):   # failed only where the reference (exact path, same weights) answers
+        if t[name] and not result[name]["ok"] and result[name].get("reference_ok", True):
             out.append(f"{name} failed: {result[name]['text']!r}")
     return out

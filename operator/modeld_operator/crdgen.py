@@ -2,7 +2,7 @@
 
 Kubernetes wants structural schemas: no ``$ref`` (definitions are inlined), no ``title``, no
 ``additionalProperties: false`` (unknown fields are pruned instead), and optional fields as plain types rather than
-``anyOf [T, null]``. Output goes to crds/ and the chart's crds/; nobody hand-edits either.
+``anyOf [T, null]``; a numeric exclusive bound (pydantic gt/lt) becomes OpenAPI v3.0's bound plus flag. Output goes to crds/ and the chart's crds/; nobody hand-edits either.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         node.pop("additionalProperties")
     if node.get("default", 0) is None:
         node.pop("default")
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        # JSON Schema 2020's numeric exclusive bound (pydantic gt/lt) -> OpenAPI v3.0's flag beside the bound
+        if isinstance(node.get(bound), (int, float)) and not isinstance(node[bound], bool):
+            node[plain], node[bound] = node[bound], True
     if node.get("type") == "object" and "properties" not in node and "additionalProperties" in node:
         # dict[str, Any]: free-form, kept as given
         node.pop("additionalProperties")

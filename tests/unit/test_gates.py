@@ -132,6 +132,14 @@ def test_long_prefill_gate_fails_when_one_long_tier_is_under_3x():
     assert g.score == pytest.approx(2.25 / gates.PREFILL_SPEEDUP)
 
 
+def test_a_long_tier_run_without_its_passkey_is_no_prefill_evidence_and_the_reason_says_so():
+    base = cell("base", 32768, {32768: tier(30000, passkey=(0, 2))})
+    fast = cell("c", 32768, {32768: tier(3000, passkey=(0, 2))})                  # 10x, passkey lost at 32k
+    g = by_gate(gates.decide(fast, base))["long-prefill"]
+    assert not g.passed and g.score == 0.0
+    assert "tier 32768 ran on both cells, but the cell did not find the passkey there" in g.reason
+
+
 def test_long_prefill_gate_ignores_short_tiers():
     fast_short = cell("c", 8192, {1024: tier(100), 4096: tier(500), 8192: tier(1200)})  # 10x, but below 32k
     g = by_gate(gates.decide(fast_short, BASE, budget_ms=1))["long-prefill"]
@@ -215,7 +223,8 @@ def test_a_tier_the_baseline_did_not_test_is_not_a_refusal():
 def report_for(decision: gates.Decision, n_tiers: int = 3) -> dict:
     tiers = {str(1024 << i): {"status": "ok", "first_output_ms": {"p50": 1.0, "p90": 2.0 * i, "p95": 3.0},
                               "passkey": {"found": 3, "runs": 3}} for i in range(n_tiers)}
-    section = {"name": "c", "tiers": tiers, "agent": {"turn_ms": {"p50": 1234.5}}, "quality": {"passed": True},
+    section = {"name": "c", "tiers": tiers, "agent": {"turn_ms": {"p50": 1234.5, "p90": 2000.0, "p95": 2500.0}},
+               "quality": {"passed": True},
                "matrix": {"topology": "8x NVIDIA-H100-80GB-HBM3 nvswitch", "context_tier": 131072,
                           "model_digest": "sha256:" + "0" * 64}}
     return {"schema": "modeld.certification/v1", "workload": {"version": "modeld.certify-workload/1"},
@@ -231,6 +240,7 @@ def test_summary_fits_a_status_and_carries_the_certification_fields():
     assert len(json.dumps(s, separators=(",", ":"))) < 2048
     assert s["certified"] and s["gate"] == "context" and s["topology"].startswith("8x")
     assert s["firstOutputP90Ms"]["2048"] == 2.0 and s["agentTurnP50Ms"] == 1234.5 and s["quality"] == "pass"
+    assert s["agentTurnP90Ms"] == 2000.0 and s["agentTurnP95Ms"] == 2500.0
     cert = api.Certification.model_validate({k: s[k] for k in ("certified", "gate", "reason", "topology", "measuredAt")}
                                             | {"summary": s})
     assert cert.certified

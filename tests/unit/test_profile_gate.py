@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from modeld_cell import profile_gate
+from modeld_cell import profile_gate, quality
 
 pytestmark = pytest.mark.unit
 
@@ -14,3 +14,20 @@ def test_only_lossy_profiles_are_gated():
     assert profile_gate.gated_profiles("bf16", False) == [] and profile_gate.gated_profiles("fp32", False) == []
     assert profile_gate.gated_profiles("int8", True) == ["int8", "block-sparse"]
     assert profile_gate.gated_profiles("fp8-e4m3", False) == ["fp8-e4m3"]
+
+
+def _result(ok: bool, reference_ok: bool) -> dict:
+    return {"greedy_agreement": 1.0, "kl_mean": 0.0, "kl_max": 0.0,
+            "capital": {"text": " Paris", "ok": True, "reference_ok": True},
+            "passkey": {"text": " 1. 1.", "ok": ok, "reference_ok": reference_ok}}
+
+
+def test_a_profile_fails_on_the_passkey_only_where_the_reference_finds_it():
+    """A profile is judged on what it loses against the exact path: a miss the reference makes too is the model's
+    (e.g. under RoPE scaling), recorded in the result and judged by the certification, not a profile failure."""
+    assert quality.check("block-sparse", _result(ok=False, reference_ok=True)) == ["passkey failed: ' 1. 1.'"]
+    assert quality.check("block-sparse", _result(ok=False, reference_ok=False)) == []
+    assert quality.check("int8", _result(ok=True, reference_ok=True)) == []
+    old = _result(ok=False, reference_ok=True)
+    del old["passkey"]["reference_ok"]            # a result without the reference's answer: judged absolutely
+    assert quality.check("int8", old) == ["passkey failed: ' 1. 1.'"]

@@ -163,6 +163,11 @@ def gate_long_prefill(cell: CellMeasurements, base: CellMeasurements) -> GateRes
     both = [t for t in sorted(cell.tiers) if t >= LONG_TIER and cell.tier_ok(t) and t in base.tiers
             and base.tiers[t].status == "ok" and base.tiers[t].first_output_p50 and cell.tiers[t].first_output_p50]
     if not both:
+        ran = [t for t in sorted(cell.tiers) if t >= LONG_TIER and cell.tiers[t].status == "ok" and t in base.tiers
+               and base.tiers[t].status == "ok"]
+        if ran:   # measured on both, but the passkey was lost there (decide() stops earlier on a failed smoke)
+            return GateResult("long-prefill", False, f"tier {ran[-1]} ran on both cells, but the cell did not find "
+                              "the passkey there; a prefill speedup counts only at passing quality", 0.0)
         return GateResult("long-prefill", False, f"no tier of {LONG_TIER}+ tokens measured on both cells")
     speed = {t: base.tiers[t].first_output_p50 / cell.tiers[t].first_output_p50 for t in both}  # type: ignore[operator]
     worst = min(speed, key=lambda t: speed[t])

@@ -16,21 +16,22 @@ _REASON_MAX = 600
 def summary_for_status(report: dict[str, Any]) -> dict[str, Any]:
     """A flat summary for ``Cell.status.certification`` (and a Job's termination message), under 2 KiB as JSON:
     certified, gate, reason, topology, measuredAt (the Certification fields), then firstOutputP90Ms per tier,
-    agentTurnP50Ms, quality, baseline, schema and workload version."""
+    agentTurnP50Ms / P90 / P95, quality, baseline, schema and workload version."""
     cell, base, dec = report["cell"], report.get("baseline"), report["decision"]
 
     def p90s(section: dict[str, Any]) -> dict[str, float | None]:
         return {k: (round(t["first_output_ms"]["p90"], 1) if t["first_output_ms"] else None)
                 for k, t in section["tiers"].items()}
 
-    def agent(section: dict[str, Any]) -> float | None:
+    def agent(section: dict[str, Any], q: str = "p50") -> float | None:
         tm = section["agent"]["turn_ms"]
-        return round(tm["p50"], 1) if tm else None
+        return round(tm[q], 1) if tm else None
 
     out: dict[str, Any] = {
         "certified": dec["certified"], "gate": dec["gate"], "reason": dec["reason"][:_REASON_MAX],
         "topology": cell["matrix"]["topology"], "measuredAt": report["measuredAt"],
         "firstOutputP90Ms": p90s(cell), "agentTurnP50Ms": agent(cell),
+        "agentTurnP90Ms": agent(cell, "p90"), "agentTurnP95Ms": agent(cell, "p95"),
         "decodeP90MsPerToken": {k: (round(t["decode_ms_per_token"]["p90"], 2) if t.get("decode_ms_per_token") else None)
                                 for k, t in cell["tiers"].items()},
         "quality": "pass" if cell["quality"]["passed"] else "fail",
@@ -49,7 +50,8 @@ def summary_for_status(report: dict[str, Any]) -> dict[str, Any]:
         out["collectiveShare"] = shares
     while len(json.dumps(out, separators=(",", ":"))) > SUMMARY_MAX_BYTES and len(out["reason"]) > 80:
         out["reason"] = out["reason"][: len(out["reason"]) // 2] + "..."
-    for key in ("baselineFirstOutputP90Ms", "collectiveShare", "passkeyTiers", "modelDigest", "decodeP90MsPerToken"):  # many tiers: drop the least needed
+    for key in ("baselineFirstOutputP90Ms", "agentTurnP95Ms", "agentTurnP90Ms", "collectiveShare", "passkeyTiers",
+                "modelDigest", "decodeP90MsPerToken"):  # many tiers: drop the least needed
         if len(json.dumps(out, separators=(",", ":"))) > SUMMARY_MAX_BYTES:
             out.pop(key, None)
     from modeld_api import CertificationSummary  # the one model the operator validates too
