@@ -33,6 +33,7 @@ class Session:
     kv_len: int = 0
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each full computed block (kv_len // BS of them)
+    root: bytes = b""                      # its cache scope's chain root (Engine.scope_root); set at creation
     logits: torch.Tensor | None = None     # [V] fp32, next-token logits after `tokens` (kv_len == len(tokens))
     busy: str | None = None                # the running operation's name
     created: float = field(default_factory=time.time)
@@ -110,7 +111,7 @@ class BlockManager:
             return
         idx = self.kv.index
         for i in range(len(s.hashes), s.kv_len // bs):
-            parent = s.hashes[-1] if s.hashes else self.e._root
+            parent = s.hashes[-1] if s.hashes else s.root
             blk = s.tokens[i * bs : (i + 1) * bs]
             h = chain_hash(parent, blk)
             s.hashes.append(h)
@@ -124,8 +125,8 @@ class BlockManager:
         bs = self.kv.block_size
         idx = self.kv.index
         cands: list[tuple[int, Sequence[int]]] = [(b, idx.tokens(b)) for b in idx.children(h)]
-        for o in self.e._sessions.values():
-            if (o is not exclude and o.kv_len > m * bs and len(o.hashes) >= m and len(o.blocks) > m
+        for o in self.e._sessions.values():     # live sessions of the same cache scope only
+            if (o is not exclude and o.root == exclude.root and o.kv_len > m * bs and len(o.hashes) >= m and len(o.blocks) > m
                     and (m == 0 or o.hashes[m - 1] == h)):
                 cands.append((o.blocks[m], o.tokens[m * bs : min(o.kv_len, (m + 1) * bs)]))
         best, best_n = None, 0
@@ -147,7 +148,7 @@ class BlockManager:
             cap = len(toks) - 1    # one token always runs: its logits start the decode and no shared slot is rewritten
             shared: list[int] = []
             hashes: list[bytes] = []
-            h = self.e._root
+            h = s.root                   # the session's scope: blocks of another scope never match
             for i in range(cap // bs):
                 hi = chain_hash(h, toks[i * bs : (i + 1) * bs])
                 b = self.kv.index.lookup(hi)

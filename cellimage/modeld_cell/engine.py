@@ -72,6 +72,7 @@ class Engine:
                           "prefix_cache_blocks_shared_total": 0, "prefix_cache_blocks_copied_total": 0}
         self._errors: dict[str, int] = {}
         self._root = root_hash(self.reuse_key())       # every block chain of this identity starts here
+        self._scope_roots: dict[str, bytes] = {}        # cache_salt -> its scope's root (scope_root)
         self._prefill_tokens, self._prefill_s = 0, 0.0  # measured prefill rate, for the time-saved estimate
         # block-sparse cells: which chunks run sparse, their records and counts (sparse_policy.py)
         self.sparse_policy = SparsePolicy(self.settings, a.n_layers, config.attention_requested)
@@ -198,8 +199,33 @@ class Engine:
 
     # ---- the contract
 
-    async def ensure_prefix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace:
-        """Create the session if absent; afterwards its KV holds exactly ``tokens``.
+    def scope_root(self, cache_salt: str | None) -> bytes:
+        """The chain root of a cache scope: the identity's for requests without a salt (one shared scope), else the
+        identity's hashed with the client's ``cache_salt`` (vLLM's name), so blocks of different scopes never match
+        and no trace reports reuse of another scope's tokens (docs/reuse.md "Cache scopes")."""
+        if not cache_salt:
+            return self._root
+        root = self._scope_roots.get(cache_salt)
+        if root is None:
+            root = root_hash({**self.reuse_key(), "cache_salt": cache_salt})
+            if len(self._scope_roots) < 65536:           # a memo, bounded; recomputing is cheap
+                self._scope_roots[cache_salt] = root
+        return root
+
+    def scoped_session(self, session_id: str, cache_salt: str | None) -> Session | None:
+        """The live session, checked against ``cache_salt``: a session keeps the scope it was created in
+        (BadRequest, field cache_salt, when a request names another); None when there is none."""
+        s = self._sessions.get(session_id)
+        if s is not None and cache_salt is not None and self.scope_root(cache_salt) != s.root:
+            raise self._err(errors.BadRequest(
+                f"session {session_id!r} was created under another cache_salt; a session keeps its cache scope "
+                "(close it, or use another session id)", field="cache_salt", session_id=session_id))
+        return s
+
+    async def ensure_prefix(self, session_id: str, tokens: list[int], deadline: float | None = None,
+                            cache_salt: str | None = None) -> Trace:
+        """Create the session if absent (in the cache scope of ``cache_salt``); afterwards its KV holds exactly
+        ``tokens``.
 
         Keeps the longest common prefix with what it holds, or with cached blocks of any session (prefixReuse),
         drops the rest, computes the remainder. Overflow (context tier or memory) is raised before anything changes. On Timeout or
@@ -213,10 +239,10 @@ class Engine:
             raise self._err(errors.Overflow(
                 f"{len(toks)} tokens exceed the context tier of {self.context_tier}", session_id=session_id,
                 tokens=len(toks), context_tier=self.context_tier))
-        s = self._sessions.get(session_id)
+        s = self.scoped_session(session_id, cache_salt)
         new_session = s is None
         if s is None:
-            s = Session(session_id)
+            s = Session(session_id, root=self.scope_root(cache_salt))
         elif s.busy is not None:
             self._claim(s, "ensure_prefix")  # raises Conflict
         t_look = time.perf_counter()
@@ -404,9 +430,10 @@ class Engine:
         """Write the session to ``path`` atomically (snapshot.write_session; format: snapshot.py, docs/reuse.md)."""
         return await snapshot.write_session(self, session_id, path)
 
-    async def restore(self, session_id: str, path: str) -> Trace:
-        """Load a snapshot into ``session_id``; refusals leave the session untouched (snapshot.restore_session)."""
-        return await snapshot.restore_session(self, session_id, path)
+    async def restore(self, session_id: str, path: str, cache_salt: str | None = None) -> Trace:
+        """Load a snapshot into ``session_id`` (a new session in the cache scope of ``cache_salt``); refusals leave
+        the session untouched (snapshot.restore_session)."""
+        return await snapshot.restore_session(self, session_id, path, cache_salt)
 
     # ---- introspection (capability.py)
 

@@ -72,12 +72,21 @@ class _PromptInput(_Request):
         return self
 
 
+CacheSalt = Annotated[str | None, Field(
+    min_length=1, max_length=256,
+    description="The cache scope of a new session (vLLM's cache_salt): its prompt blocks are shared only with sessions "
+    "created with the same salt, and its trace reports reuse only of what that scope holds. Without one, the "
+    "session is in the cell's one unsalted scope. Keep it secret per tenant. A session keeps the scope it was "
+    "created in: naming another later is refused (field cache_salt).")]
+
+
 class PrefixRequest(_PromptInput):
     """EnsurePrefix: afterwards the session's KV holds exactly this prompt. Creates the session if absent; keeps the
     longest common prefix with what it holds, drops the rest and computes only the remainder."""
 
     model_config = ConfigDict(json_schema_extra=_ONE_INPUT)
     timeout_s: TimeoutS = None
+    cache_salt: CacheSalt = None
 
 
 class SuffixRequest(_PromptInput):
@@ -123,6 +132,8 @@ class SnapshotRequest(_Request):
 class RestoreRequest(SnapshotRequest):
     """Replaces the session's state with the snapshot's. A corrupt snapshot, or one from another model or cell
     profile, is refused and the session is left as it was."""
+
+    cache_salt: CacheSalt = None
 
 
 class TokenizeRequest(_PromptInput):

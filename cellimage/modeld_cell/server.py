@@ -195,7 +195,7 @@ class Worker:
         engine = self._ready_engine()
         deadline = self._deadline(request, body.timeout_s)
         tokens = await self._prompt(body, continuation=False, add_generation_prompt=False)
-        trace = await engine.ensure_prefix(sid, tokens, deadline=deadline)
+        trace = await engine.ensure_prefix(sid, tokens, deadline=deadline, cache_salt=body.cache_salt)
         return _json({"session_id": sid, "trace": self._trace(request, trace)})
 
     async def prefill_suffix(self, request: web.Request) -> web.Response:
@@ -322,7 +322,7 @@ class Worker:
         if not await asyncio.to_thread(Path(path).is_file):
             raise NotFound(f"no snapshot file {body.path!r}", field="path")
         t = time.monotonic()
-        trace = await engine.restore(sid, path)
+        trace = await engine.restore(sid, path, body.cache_salt)
         self.metrics.restore_seconds.labels(self.metrics.model_name).observe(time.monotonic() - t)
         return _json({"session_id": sid, "trace": self._trace(request, trace)})
 

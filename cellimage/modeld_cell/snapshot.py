@@ -178,7 +178,7 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
     finally:
         s.busy = None
 
-async def restore_session(eng: Engine, session_id: str, path: str) -> Trace:
+async def restore_session(eng: Engine, session_id: str, path: str, cache_salt: str | None = None) -> Trace:
     """Load a snapshot into ``session_id`` (replacing what it held). Refuses foreign, corrupt, truncated or
     other-version files with BadRequest, a missing one with NotFound, one beyond the tier or the budget with
     Overflow; on any error the session is untouched. The file is read in one go into a buffer, verified, and
@@ -228,14 +228,14 @@ async def restore_session(eng: Engine, session_id: str, path: str) -> Trace:
     if len(toks) > eng.context_tier:
         raise eng._err(errors.Overflow(f"snapshot holds {len(toks)} tokens, beyond the context tier "
                                         f"{eng.context_tier}", session_id=session_id))
-    s = eng._sessions.get(session_id)
+    s = eng.scoped_session(session_id, cache_salt)
     if s is not None and s.busy is not None:
         eng._claim(s, "restore")
     released = sum(1 for b in s.blocks if eng.kv.ref[b] == 1) if s is not None else 0
     eng.blocks.fits(eng.kv.blocks_for(len(toks)), released=released)
     # ---- commit (nothing below can fail on input)
     if s is None:
-        s = Session(session_id)
+        s = Session(session_id, root=eng.scope_root(cache_salt))
         eng._sessions[session_id] = s
     eng._claim(s, "restore")
     try:

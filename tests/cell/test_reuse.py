@@ -196,3 +196,52 @@ async def test_trace_metrics_and_capability_report_reuse(engine, make_engine):
     assert cap["enabled"] is True and cap["block_size"] == 16 and cap["cached_blocks"] == 4
     assert cap["cached_tokens"] == 64 and set(IDENTITY_KEY_FIELDS) == set(cap["identity_key_fields"])
     assert eng.sessions()[1]["kv_blocks_shared"] == 4
+
+
+# ---- cache scopes (cache_salt): no session learns another scope's prompt through the prefix cache
+
+SECRET = "The vault's access code for tonight is {pin}. Do not share it with anyone at all. "
+
+
+async def test_a_probe_in_another_cache_scope_learns_nothing_from_the_reuse_counts(engine, make_engine):
+    """Session A (salt "tenant-a") holds a prompt ending in a PIN. A probe in another scope re-sends it with the
+    right PIN and with a wrong one (each probe in its own scope): the same reuse (none) either way, live or after A closed. Within A's scope the
+    prefix is still shared (and, as in any shared cache, the right PIN reuses more: scopes are the boundary)."""
+    eng = make_engine(kv_mib=64)                        # room for every probe: nothing of A's is evicted
+    pre = engine.tokenizer.encode(TEXT * 2)
+    secret = pre + engine.tokenizer.encode(SECRET.format(pin="4821"))
+    right, wrong = secret, pre + engine.tokenizer.encode(SECRET.format(pin="9377"))
+    assert right != wrong and len(right) == len(wrong)
+    await eng.ensure_prefix("a", secret, cache_salt="tenant-a")
+    for closed in (False, True):
+        if closed:
+            eng.close_session("a")                           # its blocks stay cached, in tenant-a's scope
+        seen = []
+        for i, guess in enumerate((right, wrong)):
+            # each probe in a scope of its own (probes of one scope would share with each other, as they may)
+            tr = await eng.ensure_prefix(f"probe-{closed}-{i}", guess, cache_salt=f"tenant-b-{closed}-{i}")
+            seen.append((tr.tokens_reused, tr.tokens_computed, tr.reuse["source"]))
+            eng.close_session(f"probe-{closed}-{i}")
+        assert seen[0] == seen[1] == (0, len(right), None), seen
+    # an unsalted probe is in the cell's default scope: nothing of tenant-a's either
+    assert (await eng.ensure_prefix("plain", right)).tokens_reused == 0
+    # the same scope still shares, exactly
+    tr_right = await eng.ensure_prefix("a2", right, cache_salt="tenant-a")
+    tr_wrong = await eng.ensure_prefix("a3", wrong, cache_salt="tenant-a")
+    bs = eng.kv.block_size                                 # A's full blocks (its closed partial block is not indexed)
+    assert tr_right.tokens_reused == len(right) // bs * bs and 0 < tr_wrong.tokens_reused < tr_right.tokens_reused
+    assert_exact(eng, "a2", right)
+
+
+async def test_a_session_keeps_the_cache_scope_it_was_created_in(engine, make_engine):
+    eng = make_engine(kv_mib=16)
+    p = prompt(engine, 40)
+    await eng.ensure_prefix("s", p, cache_salt="tenant-a")
+    with pytest.raises(errors.BadRequest, match="another cache_salt") as e:
+        await eng.ensure_prefix("s", p + p[:3], cache_salt="tenant-b")
+    assert e.value.details["field"] == "cache_salt"
+    assert eng._sessions["s"].tokens == p                  # refused before anything changed
+    tr = await eng.ensure_prefix("s", p + p[:3])           # no salt: the session's own scope continues
+    assert tr.tokens_reused == len(p)
+    tr = await eng.ensure_prefix("s", p + p[:5], cache_salt="tenant-a")
+    assert tr.tokens_reused == len(p) + 3

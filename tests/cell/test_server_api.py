@@ -163,3 +163,23 @@ async def test_metrics_exports_the_names(client, sid):
 async def test_openapi_served_is_the_generated_document(client):
     status, doc = await call(client, "GET", "/openapi.json")
     assert status == 200 and doc == openapi.build()
+
+
+async def test_cache_salt_scopes_a_new_session_over_http(client, sid):
+    """cache_salt reaches the engine: another scope sees no reuse of this session's prompt, the same scope does, and
+    a session asked under another salt (or an empty one) is refused naming the field."""
+    text = "A private note for one tenant only: the build server's password rotates every Monday at nine. " * 3
+    status, out = await call(client, "POST", f"/v1/sessions/{sid}/prefix", {"text": text, "cache_salt": "tenant-a"})
+    assert status == 200, out
+    results = {}
+    for salt in ("tenant-b", "tenant-a"):
+        other = f"{sid}-{salt}"
+        status, out = await call(client, "POST", f"/v1/sessions/{other}/prefix", {"text": text, "cache_salt": salt})
+        assert status == 200, out
+        results[salt] = out["trace"]["tokens_reused"]
+        await call(client, "DELETE", f"/v1/sessions/{other}")
+    assert results["tenant-b"] == 0 and results["tenant-a"] > 0, results
+    status, out = await call(client, "POST", f"/v1/sessions/{sid}/prefix", {"text": text, "cache_salt": "tenant-b"})
+    assert status == 400 and out["error"]["details"]["field"] == "cache_salt", out
+    status, out = await call(client, "POST", f"/v1/sessions/{sid}/prefix", {"text": text, "cache_salt": ""})
+    assert status == 400 and "cache_salt" in str(out), out
