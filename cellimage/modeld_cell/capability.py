@@ -128,7 +128,12 @@ def reuse_report(e: Engine) -> dict:
             "identity_root": e._root.hex(), "eviction": "LRU over unreferenced cached blocks",
             "exactness": reuse_exactness(e),
             "exactness_probe": e.model.chunking_probe or "passed: rows are invariant on this CPU's kernels",
-            "prefill_tok_s_measured": round(r, 1) if (r := e._prefill_rate()) else None}
+            "prefill_tok_s_measured": round(r, 1) if (r := e._prefill_rate()) else None,
+            "cache_scopes": "cache_salt: a new session's blocks are shared only within its salt's scope",
+            # MODELD_SESSION_STORE (journal.py): None when off
+            "session_store": ({**e.journal.stats(), "errors": e._journal_errors, "commits_at": "every completed "
+                               "prefix, suffix and decode", "holds": "tokens and totals; KV recomputed on recovery"}
+                              if e.journal is not None else None)}
 
 def reuse_exactness(e: Engine) -> str:
     """'bitwise' when this engine's attention and matmuls are chunking-invariant (the CPU torch path: reused,

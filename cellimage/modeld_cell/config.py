@@ -48,6 +48,8 @@ class EngineSettings:
     sparse_max_keep_tokens: int = sparse_ref.MAX_KEEP_TOKENS  # MODELD_SPARSE_MAX_KEEP_TOKENS: its cap, in tokens
     # multi-rank cells only: a collective a rank does not join within this many seconds fails (RankLost -> Fatal)
     collective_timeout_s: int = 60                      # MODELD_COLLECTIVE_TIMEOUT_S
+    # a directory: each session's committed state at turn boundaries, recovered after the process is lost
+    session_store: str = ""                             # MODELD_SESSION_STORE (journal.py); empty: off
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -72,6 +74,7 @@ class EngineSettings:
                 if not 0.0 < f <= 1.0:
                     raise ValueError(f"{env} must be in (0, 1], got {f}")
                 setattr(s, attr, f)
+        s.session_store = os.environ.get("MODELD_SESSION_STORE", "").strip()
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()
         if mode not in ("auto", "dispatch", "torch"):
             raise ValueError(f"MODELD_DECODE_ATTENTION must be auto, dispatch or torch, got {mode!r}")

@@ -12,6 +12,7 @@ asked) have K/V in its ``blocks``; ``logits`` are the next-token logits after ``
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from . import capability, errors, snapshot
 from .blocks import BlockManager, Plan, Session
 from .config import SPARSE_ATTENTION, SPARSE_BLOCK, CellConfig, EngineSettings
 from .contract import DecodeEvent, SamplingParams, Trace, elapsed_ms, validate_decode, validate_tokens
+from .journal import Journal
 from .kv_cache import PagedKVCache
 from .loader import DEFAULT_QUALITY_CACHE, load_engine, probe_model, serveable_tier, sibling_engine
 from .model import Transformer
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 # The engine's public names; the contract types and the config live in contract.py / config.py and are re-exported.
 __all__ = ["SPARSE_BLOCK", "CellConfig", "DecodeEvent", "Engine", "EngineSettings", "SamplingParams", "Trace",
            "sample_token"]
+
+log = logging.getLogger("modeld_cell.engine")
 
 
 class Engine:
@@ -73,6 +77,9 @@ class Engine:
         self._errors: dict[str, int] = {}
         self._root = root_hash(self.reuse_key())       # every block chain of this identity starts here
         self._scope_roots: dict[str, bytes] = {}        # cache_salt -> its scope's root (scope_root)
+        # MODELD_SESSION_STORE: committed session state at turn boundaries, recovered after the process is lost
+        self.journal = Journal(self.settings.session_store, self._root) if self.settings.session_store else None
+        self._journal_errors = 0
         self._prefill_tokens, self._prefill_s = 0, 0.0  # measured prefill rate, for the time-saved estimate
         # block-sparse cells: which chunks run sparse, their records and counts (sparse_policy.py)
         self.sparse_policy = SparsePolicy(self.settings, a.n_layers, config.attention_requested)
@@ -101,7 +108,9 @@ class Engine:
         prefixReuse=False) on top of this cell's. No quality gate runs: quality smokes and tests build their
         candidates with it. ``kv_mib`` and ``context_tier`` may go below the CRD's minimums (a smoke holds a few
         hundred tokens; a test overflows a 64-token tier): they size this in-process engine, no Cell says them."""
-        return sibling_engine(self, kv, attention, kv_mib, settings, identity, context_tier, profile)
+        eng = sibling_engine(self, kv, attention, kv_mib, settings, identity, context_tier, profile)
+        eng.journal = None          # a smoke's or a test's engine: its sessions are not the cell's to keep
+        return eng
 
     def shutdown(self) -> None:
         """Stop the decode loop and the torch thread (tests, process exit); a driving runner's followers too."""
@@ -289,6 +298,7 @@ class Engine:
             raise
         finally:
             s.busy = None
+        self._commit(s)
         return self._trace(s, t0, **tr_kw)
 
     async def prefill_suffix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace:
@@ -327,6 +337,7 @@ class Engine:
             raise
         finally:
             s.busy = None
+        self._commit(s)
         return self._trace(s, t0, **tr_kw)
 
     def decode(self, session_id: str, params: SamplingParams, max_tokens: int, stop_token_ids: Sequence[int] = (),
@@ -380,6 +391,8 @@ class Engine:
                 ev = await req.queue.get()
                 if isinstance(ev, BaseException):
                     raise ev
+                if ev.done:
+                    self._commit(s)                      # durable before the client reads "done"
                 yield ev
                 if ev.done:
                     return
@@ -403,6 +416,52 @@ class Engine:
         self.kv.free(s.blocks[::-1])       # full blocks stay cached (evictable, tail first); the rest is free
         s.blocks = []
         del self._sessions[session_id]
+        if self.journal is not None:
+            self.journal.drop(session_id)
+
+    def _commit(self, s: Session) -> None:
+        """The session's state after a completed request, into the session store (journal.py); a store that cannot
+        be written is logged and counted (capability ``session_store.errors``), never fails the request."""
+        if self.journal is None:
+            return
+        try:
+            self.journal.commit(s.id, list(s.tokens), dict(s.totals), s.root)
+        except OSError as e:
+            self._journal_errors += 1
+            log.warning("session store: could not commit session %r: %s", s.id, e)
+
+    def forget_stored(self, session_id: str) -> bool:
+        """Drop the stored state of a session this engine does not hold (closing a session lost with the process);
+        False when the engine holds it (close_session closes it) or nothing is stored."""
+        if self.journal is None or session_id in self._sessions or not self.journal.path(session_id).exists():
+            return False
+        self.journal.drop(session_id)
+        return True
+
+    async def recover(self, session_id: str) -> dict[str, Any] | None:
+        """A session this engine does not hold, from the session store: its committed tokens prefilled again and
+        its totals carried over. None when the engine holds it or nothing is stored; ``{"lost": reason}`` when the
+        stored state cannot be used (it stays on disk); else what was restored."""
+        if self.journal is None or session_id in self._sessions:
+            return None
+        d, why = self.journal.read(session_id)
+        if d is None:
+            return {"lost": why} if why else None
+        t0 = time.perf_counter()
+        self._sessions[session_id] = Session(session_id, root=bytes.fromhex(d["scope"]))
+        try:
+            tr = await self.ensure_prefix(session_id, d["tokens"])
+        except BaseException:
+            s = self._sessions.pop(session_id, None)
+            if s is not None and s.blocks:
+                self.kv.free(s.blocks[::-1])
+            raise
+        s = self._sessions[session_id]
+        s.totals = {k: int(d["totals"].get(k, v)) for k, v in s.totals.items()}
+        self._commit(s)
+        return {"tokens_restored": len(d["tokens"]), "tokens_reused": tr.tokens_reused,
+                "tokens_computed": tr.tokens_computed, "restore_ms": round(elapsed_ms(t0), 3),
+                "committed_at": d.get("committed_at")}
 
     def sessions(self) -> list[dict]:
         return capability.sessions(self)

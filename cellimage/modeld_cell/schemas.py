@@ -195,6 +195,12 @@ class Trace(_Response):
     restore_ms: float | None = Field(
         default=None, description="Restore only: reading, verifying and loading the snapshot, in ms."
     )
+    restored: dict[str, Any] | None = Field(
+        default=None,
+        description="Only on the first request after the worker lost a session it had committed to its session "
+        "store (MODELD_SESSION_STORE): tokens_restored, tokens_reused, tokens_computed, restore_ms, committed_at "
+        "(the session was recovered before this request ran); or lost, the reason its stored state could not be used.",
+    )
 
 
 class SessionResponse(_Response):

@@ -161,6 +161,8 @@ class Worker:
 
     def _trace(self, request: web.Request, trace: Any) -> dict[str, Any]:
         d = _as_dict(trace)
+        if request.get("restored") is not None:
+            d["restored"] = request["restored"]
         self.metrics.observe_trace(d)
         request[LOG]["tokens"] = int(d.get("prompt_tokens") or 0) + int(d.get("completion_tokens") or 0)
         return d
@@ -189,12 +191,25 @@ class Worker:
 
     # ---- session routes ----
 
+    async def _recover(self, request: web.Request, engine: Any, sid: str, create: bool = False) -> None:
+        """A session the worker lost (process restarted) comes back from the session store before the request runs
+        (engine.recover; the trace says ``restored``). When its stored state is unusable, a request that needs the
+        session answers not_found with the reason; one that creates it (``create``) starts it afresh and says so."""
+        info = await engine.recover(sid)
+        if info is None:
+            return
+        request["restored"] = info
+        request[LOG]["restored"] = info.get("tokens_restored", "lost")
+        if "lost" in info and not create:
+            raise NotFound(f"session {sid!r} was lost: {info['lost']}", session_id=sid, lost=info["lost"])
+
     async def ensure_prefix(self, request: web.Request) -> web.Response:
         sid = self._session_id(request)
         body = await self._body(request, s.PrefixRequest)
         engine = self._ready_engine()
         deadline = self._deadline(request, body.timeout_s)
         tokens = await self._prompt(body, continuation=False, add_generation_prompt=False)
+        await self._recover(request, engine, sid, create=True)
         trace = await engine.ensure_prefix(sid, tokens, deadline=deadline, cache_salt=body.cache_salt)
         return _json({"session_id": sid, "trace": self._trace(request, trace)})
 
@@ -205,6 +220,7 @@ class Worker:
         deadline = self._deadline(request, body.timeout_s)
         # An empty suffix is valid: it runs only the session's pending last generated token (trace says so).
         tokens = await self._prompt(body, continuation=True, add_generation_prompt=True)
+        await self._recover(request, engine, sid)
         trace = await engine.prefill_suffix(sid, tokens, deadline=deadline)
         return _json({"session_id": sid, "trace": self._trace(request, trace)})
 
@@ -215,6 +231,7 @@ class Worker:
         deadline = self._deadline(request, body.timeout_s)
         self._check_ids(body.stop_token_ids, "stop_token_ids")
         params = _sampling_params(body)
+        await self._recover(request, engine, sid)
         events = engine.decode(sid, params, body.max_tokens, stop_token_ids=list(body.stop_token_ids),
                                stop=list(body.stop), deadline=deadline)
         if body.stream:
@@ -308,6 +325,7 @@ class Worker:
         body = await self._body(request, s.SnapshotRequest)
         engine = self._ready_engine()
         path = self._snapshot_path(body.path)
+        await self._recover(request, engine, sid)
         await asyncio.to_thread(Path(path).parent.mkdir, parents=True, exist_ok=True)
         t = time.monotonic()
         info = await engine.snapshot(sid, path)
@@ -339,12 +357,16 @@ class Worker:
 
     async def close_session(self, request: web.Request) -> web.Response:
         sid = self._session_id(request)
-        self._ready_engine().close_session(sid)  # NotFound / Conflict (a request running) come from the engine
+        engine = self._ready_engine()
+        if engine.forget_stored(sid):       # a session only the store holds (lost with the process): dropped there
+            return _json({"session_id": sid, "closed": True})
+        engine.close_session(sid)  # NotFound / Conflict (a request running) come from the engine
         return _json({"session_id": sid, "closed": True})
 
     async def get_session(self, request: web.Request) -> web.Response:
         sid = self._session_id(request)
         engine = self._ready_engine()
+        await self._recover(request, engine, sid)
         tokens = engine.session_tokens(sid)  # NotFound from the engine
         entry = next((e for e in engine.sessions() if e.get("session_id") == sid), {"session_id": sid})
         return _json({"session": _as_dict(entry), "tokens": tokens})
