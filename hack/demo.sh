@@ -2,7 +2,8 @@
 # The main job on one machine: a real local control plane with fake GPU nodes, the chart installed, the operator
 # running as the chart's ServiceAccount, three real CPU cells on SmolLM2-135M-Instruct (a narrow cell with prefix
 # reuse, its real baseline without it, and a cell the gates reject), each certified by the operator's Jobs against its
-# baseline, a Session bound to the certified winner, then a real multi-turn agent exchange through its endpoint.
+# baseline, Sessions bound to the certified winner and (pinned) to the baseline, then a real multi-turn agent exchange
+# through each bound endpoint, with each cell's end-to-end turn p50 / p90 / p95.
 # The cluster stays up afterwards for exploring: `export KUBECONFIG=$(MODELD_CLUSTER=demo hack/cluster env ...)`;
 # stop it with `MODELD_CLUSTER=demo hack/cluster down`.
 set -o errexit -o nounset -o pipefail
@@ -42,9 +43,10 @@ CELLS="cell/smollm2-cpu cell/smollm2-cpu-noreuse cell/smollm2-cpu-fp16kv"
 k wait -n "$NS" --for=jsonpath='{.status.phase}'=Ready $CELLS --timeout=600s >/dev/null
 echo "== certification Jobs measure each cell against its baseline (a few minutes on 2 cores)"
 k wait -n "$NS" --for=jsonpath='{.status.certification.measuredAt}' $CELLS --timeout=1800s >/dev/null
-echo "== an agent Session, once every verdict is in: the operator binds it to the certified winner"
-k apply -n "$NS" -f examples/session.yaml
-k wait -n "$NS" --for=jsonpath='{.status.phase}'=Bound session/agent-1 --timeout=120s >/dev/null
+echo "== agent Sessions, once every verdict is in: the operator binds agent-1 to the certified winner, and"
+echo "   agent-baseline (pinned) to the baseline, to compare the two end to end"
+k apply -n "$NS" -f examples/session.yaml -f examples/session-baseline.yaml
+k wait -n "$NS" --for=jsonpath='{.status.phase}'=Bound session/agent-1 session/agent-baseline --timeout=120s >/dev/null
 k get -n "$NS" cells,sessions -o wide
 echo
 echo "== the certification matrix"
@@ -53,7 +55,7 @@ echo
 echo "== why session/agent-1 is where it is (every cell the binding considered)"
 k get -n "$NS" session/agent-1 -o jsonpath='{range .status.candidates[*]}{.cell}{"\t"}{.chosen}{"\t"}{.reason}{"\n"}{end}'
 echo
-echo "== a real multi-turn agent exchange through the bound session"
-.venv/bin/python hack/demo.py --kubectl "$bin/kubectl" --namespace "$NS" --session agent-1
+echo "== a real multi-turn agent exchange through each bound session"
+.venv/bin/python hack/demo.py --kubectl "$bin/kubectl" --namespace "$NS" --session agent-1 --session agent-baseline
 echo
 echo "cluster left running: export KUBECONFIG=$KUBECONFIG; stop it with: MODELD_CLUSTER=$MODELD_CLUSTER hack/cluster down"

@@ -36,12 +36,12 @@ def main() -> None:
             str(spec["contextTier"]),
             " ".join(f"{t}:{fmt(ms)}" for t, ms in sorted(tiers.items(), key=lambda kv: int(kv[0]))) or "-",
             " ".join(f"{t}:{fmt(ms)}" for t, ms in sorted(base.items(), key=lambda kv: int(kv[0]))) or "-",
-            fmt(summary.get("agentTurnP50Ms")) if summary else "-",
+            " / ".join(fmt(summary.get(f"agentTurnP{q}Ms")) for q in (50, 90, 95)) if summary else "-",
             summary.get("quality", "-"),
             f"{'KEPT' if cert.get('certified') else 'dropped'} ({cert.get('gate', '-')})" if cert else "not measured",
         ])
     head = ["cell", "topology", "backend / model", "digest", "weights / KV", "tier", "first-output p90 ms by tier",
-            "baseline p90 ms", "agent turn p50 ms", "quality", "decision (gate)"]
+            "baseline p90 ms", "agent turn p50 / p90 / p95 ms", "quality", "decision (gate)"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, ["-" * w for w in widths], *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
