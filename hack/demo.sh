@@ -56,6 +56,6 @@ echo "== why session/agent-1 is where it is (every cell the binding considered)"
 k get -n "$NS" session/agent-1 -o jsonpath='{range .status.candidates[*]}{.cell}{"\t"}{.chosen}{"\t"}{.reason}{"\n"}{end}'
 echo
 echo "== a real multi-turn agent exchange through each bound session"
-.venv/bin/python hack/demo.py --kubectl "$bin/kubectl" --namespace "$NS" --session agent-1 --session agent-baseline
+.venv/bin/python hack/demo.py --kubectl "$bin/kubectl" --namespace "$NS" --session agent-1 --session agent-baseline --stateless
 echo
 echo "cluster left running: export KUBECONFIG=$KUBECONFIG; stop it with: MODELD_CLUSTER=$MODELD_CLUSTER hack/cluster down"

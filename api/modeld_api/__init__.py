@@ -271,6 +271,25 @@ CELL_SPEC_RULES: list[Any] = [
 ]
 
 
+SESSION_STORE_MOUNT = "/var/lib/modeld/sessions"   # where a cell pod mounts spec.sessionStore
+
+
+class SessionStore(_Model):
+    """Where the worker commits each session's state at turn boundaries, so a session outlives its worker process."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "has(self.claimName) != has(self.hostPath)",
+        "sessionStore names exactly one of claimName (a PersistentVolumeClaim) or hostPath (a node directory)")]})
+
+    claimName: str | None = Field(
+        default=None, pattern=NAME_PATTERN, max_length=253,
+        description="A PersistentVolumeClaim in the Cell's namespace, mounted at " + SESSION_STORE_MOUNT + " (ReadWriteMany "
+        "when the cell has several pods, so a session can continue on another pod).")
+    hostPath: str | None = Field(
+        default=None, pattern=r"^/[^\x00]*$", max_length=512,
+        description="A directory on the node (development clusters; a localRun pod's process uses it directly).")
+
+
 class CellSpec(_Model):
     """The cell tuple: backend/runtime + hardware topology + model family + quant/KV profile + context tier + workload."""
 
@@ -296,6 +315,10 @@ class CellSpec(_Model):
     localRun: bool = Field(
         default=False,
         description="Development clusters only: mark pods for hack/podrunner, which runs the worker as a local process.",
+    )
+    sessionStore: SessionStore | None = Field(
+        default=None, description="Commit every session's state at turn boundaries here, and recover a session the "
+        "worker process lost from it (docs/worker.md \"Session store\"). Without it a session lives as long as its process.",
     )
 
 
@@ -345,6 +368,10 @@ class Endpoint(_Model):
     )
     refusal: str | None = Field(
         default=None, description="Why the worker refused its cell spec at start (it stays up, not ready, and says so)."
+    )
+    instance: str | None = Field(
+        default=None, max_length=64, description="The worker process's id from its /readyz: a new one means the process "
+        "was replaced (a crash, a restart) and the sessions it held in memory are gone or recovered from its store."
     )
 
 
@@ -420,11 +447,15 @@ class SessionStatus(_Model):
     pod: str | None = Field(default=None, description="Pod serving the session.")
     sessionId: str | None = Field(default=None, description="Session id on the worker (POST /v1/sessions/{id}/...).")
     boundAt: str | None = Field(default=None, description="RFC 3339 time the session was bound.")
+    workerInstance: str | None = Field(
+        default=None, description="The worker process the session was last seen on (its /readyz instance); when the "
+        "endpoint's instance changes, the operator asks the new process for the session and sets the Continuity "
+        "condition: Restored (from the cell's session store) or Lost.")
     reason: str | None = Field(default=None, description="Why the session is where it is.")
     candidates: list[Candidate] = Field(
         default_factory=list, max_length=32,
         description="Every Cell the last binding considered, with why it was or was not chosen.")
-    conditions: list[Condition] = Field(default_factory=list, description="Bound.")
+    conditions: list[Condition] = Field(default_factory=list, description="Bound; Continuity after a worker restart.")
 
 
 def enum_value(x: Any) -> str:

@@ -46,6 +46,8 @@ LOSSY_KV = (KVPrecision.int8.value, KVPrecision.fp8_e4m3.value, KVPrecision.int4
 SERVED_WEIGHTS = ("fp32", "bf16", "fp16", "q8_0", "q4_1", "q4_k_m")
 
 REASONS = {
+    "sessionStore.claimName": "a localRun pod (hack/podrunner runs the worker as a local process) mounts no volumes: "
+                              "name a directory with sessionStore.hostPath instead",
     "topology.gpus": "the torch backend computes on the CPU only: a cell holding GPUs would leave them idle "
                      "(use topology.gpus 0 for a CPU cell, or runtime.backend triton for a GPU cell)",
     "topology.gpus.single": "a single-process triton cell computes on one GPU: the others would sit idle (use "
@@ -88,6 +90,8 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv.sharded"]))
     if parallelism in SPLIT_SHAPES and _v(spec.profile.attention) == AttentionMode.block_sparse.value:
         out.append(Unserved("profile.attention", "block-sparse", REASONS["profile.attention.sharded"]))
+    if spec.localRun and spec.sessionStore is not None and spec.sessionStore.claimName:
+        out.append(Unserved("sessionStore.claimName", spec.sessionStore.claimName, REASONS["sessionStore.claimName"]))
     return out
 
 

@@ -250,6 +250,9 @@ class CloseResponse(_Response):
 class SessionInfoResponse(_Response):
     session: dict[str, Any] = Field(description="The engine's entry: token counts, KV held, busy, totals.")
     tokens: list[int] = Field(description="Token ids the session holds, in order (the KV's content).")
+    restored: dict[str, Any] | None = Field(
+        default=None, description="Present when this request recovered the session from the session store (the "
+        "worker process had lost it): as a trace's restored.")
 
 
 class SessionsResponse(_Response):
@@ -271,6 +274,8 @@ class HealthResponse(_Response):
 
 class ReadyResponse(_Response):
     ready: bool
+    instance: str = Field(description="This worker process's id, new at every start: a client (the operator) that sees "
+                          "it change knows the process was replaced and what it held in memory is gone.")
 
 
 class ErrorDetail(_Response):

@@ -19,6 +19,7 @@ import logging
 import math
 import re
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +40,7 @@ access_log = logging.getLogger("modeld_cell.access")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a context tier of 1M token ids is ~8 MB of JSON; text prompts are larger
 SESSION_ID = re.compile(s.SESSION_ID_PATTERN)
+INSTANCE = uuid.uuid4().hex          # this process's id (/readyz): it changes when the process is replaced
 TIMEOUT_HEADER = "X-Request-Timeout"
 # A system message the continuation renderer puts in front of suffix messages and cuts off again: templates that
 # inject a default system prompt when the first message is not one would otherwise repeat it mid-session.
@@ -369,7 +371,10 @@ class Worker:
         await self._recover(request, engine, sid)
         tokens = engine.session_tokens(sid)  # NotFound from the engine
         entry = next((e for e in engine.sessions() if e.get("session_id") == sid), {"session_id": sid})
-        return _json({"session": _as_dict(entry), "tokens": tokens})
+        out: dict[str, Any] = {"session": _as_dict(entry), "tokens": tokens}
+        if request.get("restored") is not None:
+            out["restored"] = request["restored"]      # recovered from the session store by this request
+        return _json(out)
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         engine = self._ready_engine()
@@ -401,7 +406,7 @@ class Worker:
 
     async def readyz(self, request: web.Request) -> web.Response:
         self._ready_engine()
-        return _json({"ready": True})
+        return _json({"ready": True, "instance": INSTANCE})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         # Rendered on the loop thread: the collectors read engine state that only the loop thread mutates.

@@ -70,8 +70,10 @@ def _default_nested_objects(schema: dict[str, Any]) -> None:
     required = set(schema.get("required", []))
     for name, prop in schema.get("properties", {}).items():
         if prop.get("type") == "object" and "properties" in prop:
-            # Only where {} is itself valid: an optional object with required fields stays absent until given.
-            if name not in required and "default" not in prop and not prop.get("required"):
+            # Only where {} is itself valid: an optional object with required fields or CEL rules (which may
+            # refuse {}, e.g. "exactly one of") stays absent until given.
+            if (name not in required and "default" not in prop and not prop.get("required")
+                    and not prop.get("x-kubernetes-validations")):
                 prop["default"] = {}
             _default_nested_objects(prop)
 

@@ -177,6 +177,17 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
     ]
     if spec.kvMemoryMiB:
         env.append({"name": "MODELD_KV_MEMORY_MIB", "value": str(spec.kvMemoryMiB)})
+    volumes, mounts = [], []
+    if spec.sessionStore is not None:
+        store = spec.sessionStore
+        if spec.localRun:       # hack/podrunner runs the process on the host and mounts nothing: the path itself
+            env.append({"name": "MODELD_SESSION_STORE", "value": store.hostPath or ""})
+        else:
+            source = ({"persistentVolumeClaim": {"claimName": store.claimName}} if store.claimName
+                      else {"hostPath": {"path": store.hostPath, "type": "DirectoryOrCreate"}})
+            volumes.append({"name": "session-store", **source})
+            mounts.append({"name": "session-store", "mountPath": api.SESSION_STORE_MOUNT})
+            env.append({"name": "MODELD_SESSION_STORE", "value": api.SESSION_STORE_MOUNT})
     probe = {"httpGet": {"path": "/readyz", "port": spec.port}, "periodSeconds": 5, "failureThreshold": 3}
     container = {
         "name": "worker",
@@ -192,12 +203,15 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
         "startupProbe": {"httpGet": {"path": "/healthz", "port": spec.port}, "periodSeconds": 2, "failureThreshold": 60},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": spec.port}, "periodSeconds": 10},
     }
+    if mounts:
+        container["volumeMounts"] = mounts
     return {
         "metadata": {"labels": labels},
         "spec": {
             "affinity": {"nodeAffinity": node_affinity(spec)},
             "tolerations": tolerations,
             "containers": [container],
+            **({"volumes": volumes} if volumes else {}),
             "enableServiceLinks": False,
             "automountServiceAccountToken": False,
             "terminationGracePeriodSeconds": 30,

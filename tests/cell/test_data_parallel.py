@@ -22,7 +22,7 @@ def test_a_data_parallel_cell_serves_independent_sessions_on_its_copies(smollm2_
     copies = [base, f"http://127.0.0.1:{port + 1}"]
     try:
         for url in copies:
-            assert _wait_for(url + "/readyz", proc, log) == {"ready": True}
+            assert _wait_for(url + "/readyz", proc, log)["ready"] is True
         caps = [_http("GET", url + "/v1/capability")[1] for url in copies]
         for i, cap in enumerate(caps):
             par = cap["parallel"]

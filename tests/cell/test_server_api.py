@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.cell, pytest.mark.asyncio(loop_scope="session")]
 
 async def test_health_and_readiness(client):
     assert await call(client, "GET", "/healthz") == (200, {"status": "ok"})
-    assert await call(client, "GET", "/readyz") == (200, {"ready": True})
+    status, ready = await call(client, "GET", "/readyz")
+    assert status == 200 and ready["ready"] is True and len(ready["instance"]) == 32
 
 
 async def test_capability_and_tokenizer_round_trip(client):

@@ -70,7 +70,7 @@ def test_entrypoint_serves_a_cell(smollm2_path, tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         assert _wait_for(base + "/healthz", proc, log) == {"status": "ok"}
-        assert _wait_for(base + "/readyz", proc, log) == {"ready": True}
+        assert _wait_for(base + "/readyz", proc, log)["ready"] is True
         status, cap = _http("GET", base + "/v1/capability")
         assert status == 200 and cap["context_tier"] == 512
         status, out = _http("POST", base + "/v1/sessions/e2e/prefix", {"text": "The capital of France is"})
@@ -120,7 +120,7 @@ def test_restore_into_another_worker_process(smollm2_path, tmp_path):
             procs.append(_start_worker(cell, smollm2_path, cache, log))
         (pa, a), (pb, b) = procs
         for (p, url), log in zip(procs, logs, strict=True):
-            assert _wait_for(url + "/readyz", p, log) == {"ready": True}
+            assert _wait_for(url + "/readyz", p, log)["ready"] is True
         messages = [{"role": "system", "content": "You are a careful assistant."},
                     {"role": "user", "content": "List three uses of a lighthouse, one line each."}]
         status, out = _http("POST", a + "/v1/sessions/s/prefix", {"messages": messages})

@@ -37,7 +37,7 @@ def _worker(cell: Path, model: str, store: Path, log: Path, port: int | None = N
                                  "127.0.0.1", "--port", str(port), "--model", model], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    assert _wait_for(url + "/readyz", proc, log) == {"ready": True}
+    assert _wait_for(url + "/readyz", proc, log)["ready"] is True
     return proc, url
 
 

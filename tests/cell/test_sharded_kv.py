@@ -192,7 +192,7 @@ def test_the_worker_under_torchs_launcher_serves_from_rank_0_and_goes_down_with_
 
     proc, base, log = _launch(tmp_path, smollm2_path, {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2})
     try:
-        assert _wait_for(base + "/readyz", proc, log) == {"ready": True}
+        assert _wait_for(base + "/readyz", proc, log)["ready"] is True
         status, cap = _http("GET", base + "/v1/capability")
         assert status == 200 and cap["parallel"]["shape"] == "sharded-kv" and cap["parallel"]["ranks"] == 2, cap
         assert cap["runtime"]["runner"] == "sharded-kv" and cap["runtime"]["threads"] >= 1

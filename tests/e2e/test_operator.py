@@ -4,8 +4,12 @@ placement and no pods, impossible cells say why, specs roll out, Sessions bind a
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import signal
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -339,3 +343,64 @@ def test_a_data_parallel_cell_lists_a_copy_per_endpoint_and_spreads_sessions_ove
     for name in ("first", "second"):
         cluster.kubectl("delete", "session", name, "-n", namespace, "--timeout=60s")
     cluster.kubectl("delete", "cell", "dp", "-n", namespace, "--timeout=60s")
+
+
+def worker_pids(cell_name: str, namespace: str) -> list[int]:
+    """The local worker processes of a localRun cell (hack/podrunner runs them with the pod's environment)."""
+    want = {f"MODELD_CELL_NAME={cell_name}".encode(), f"MODELD_CELL_NAMESPACE={namespace}".encode()}
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = set((d / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= env:
+            pids.append(int(d.name))
+    return pids
+
+
+def test_a_bound_session_survives_kill_9_of_its_worker_mid_decode(cluster, operator, namespace, tmp_path):
+    """A cell with a session store (sessionStore.hostPath: the local pod runner's processes share the directory).
+    The worker serving a bound Session is killed with SIGKILL while a decode streams; the pod's process restarts,
+    the operator sees a new worker instance, asks it for the session (which recovers it from the store) and sets
+    Continuity: Restored with the tokens restored; the in-flight decode is lost (its stream broke), and the retried
+    decode continues exactly where the last committed turn ended: the greedy tokens of a session that never died."""
+    obj = cpu_cell("durable", 2048)
+    obj["spec"]["sessionStore"] = {"hostPath": str(tmp_path / "store")}
+    cluster.apply(obj, namespace)
+    wait_until("the durable cell Ready", lambda: status_of(cluster, namespace, "cell", "durable").get("phase")
+               == "Ready", timeout=300)
+    cluster.apply(session("agent", 1500), namespace)
+    st = wait_until("bound", lambda: (s := status_of(cluster, namespace, "session", "agent")).get("phase") == "Bound"
+                    and s.get("workerInstance") and s, timeout=400, interval=2)
+    url, sid = st["endpoint"], st["sessionId"]
+    turn = {"text": "A lighthouse keeper's log, day one. The weather was"}
+    for s in (sid, "reference"):                   # the reference session never dies: it says what continuing means
+        post(f"{url}/v1/sessions/{s}/prefix", turn)
+        post(f"{url}/v1/sessions/{s}/decode", {"max_tokens": 8})
+    want = post(f"{url}/v1/sessions/reference/decode", {"max_tokens": 12})["tokens"]
+    held = len(json.loads(urllib.request.urlopen(f"{url}/v1/sessions/{sid}", timeout=30).read())["tokens"])
+
+    (pid,) = worker_pids("durable", namespace)
+    req = urllib.request.Request(f"{url}/v1/sessions/{sid}/decode", json.dumps({"max_tokens": 400, "stream": True})
+                                 .encode(), {"Content-Type": "application/json"})
+    stream = urllib.request.urlopen(req, timeout=60)
+    while not stream.readline().startswith(b"event: token"):
+        pass
+    os.kill(pid, signal.SIGKILL)
+    rest = b""
+    try:
+        rest = stream.read()
+    except (OSError, http.client.HTTPException):
+        pass
+    assert b"event: done" not in rest                # the in-flight decode is lost
+
+    st = wait_until("Continuity set after the restart", lambda: (s := status_of(cluster, namespace, "session",
+                    "agent")).get("phase") == "Bound" and condition(s, "Continuity") and s, timeout=300, interval=2)
+    cont = condition(st, "Continuity")
+    assert (cont["status"], cont["reason"]) == ("True", "Restored"), cont
+    assert f"{held} committed tokens restored" in cont["message"], cont
+    out = post(f"{st['endpoint']}/v1/sessions/{sid}/decode", {"max_tokens": 12})
+    assert out["tokens"] == want

@@ -299,3 +299,31 @@ def test_node_index_keeps_what_placement_reads():
     assert "annotations" not in kept["metadata"] and "images" not in kept["status"]     # nothing placement ignores
     assert placement.NodeView.from_obj(kept) == placement.NodeView.from_obj(node)
     assert _nodes({"all": [kept]}) == [kept]                                            # handlers read the index
+
+
+# spec.sessionStore: where the worker commits sessions (docs/worker.md "Session store")
+def _pod(**store) -> dict:
+    spec = cell_spec(runtime={"backend": "torch"}, topology={"gpus": 0, "interconnect": "none"}, contextTier=4096,
+                     **store)
+    return placement.pod_template("c", "ns", spec)["spec"]
+
+
+def _env(pod: dict) -> dict:
+    return {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+
+
+def test_a_session_store_claim_is_mounted_and_named_to_the_worker():
+    pod = _pod(sessionStore={"claimName": "sessions"})
+    assert pod["volumes"] == [{"name": "session-store", "persistentVolumeClaim": {"claimName": "sessions"}}]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "session-store", "mountPath": api.SESSION_STORE_MOUNT}]
+    assert _env(pod)["MODELD_SESSION_STORE"] == api.SESSION_STORE_MOUNT
+
+
+def test_a_host_path_store_is_mounted_or_for_a_local_run_pod_named_directly():
+    pod = _pod(sessionStore={"hostPath": "/srv/modeld"})
+    assert pod["volumes"][0]["hostPath"] == {"path": "/srv/modeld", "type": "DirectoryOrCreate"}
+    local = _pod(sessionStore={"hostPath": "/srv/modeld"}, localRun=True)
+    assert "volumes" not in local and "volumeMounts" not in local["containers"][0]
+    assert _env(local)["MODELD_SESSION_STORE"] == "/srv/modeld"
+    none = _pod()
+    assert "volumes" not in none and "MODELD_SESSION_STORE" not in _env(none)

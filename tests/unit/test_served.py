@@ -200,3 +200,11 @@ def test_a_single_process_triton_cell_holds_one_gpu(gpus, link, refused):
     assert [u.field for u in got] == (["topology.gpus"] if refused else [])
     if refused:
         assert "idle" in got[0].reason
+
+
+def test_a_local_run_cell_with_a_volume_claim_store_is_refused_naming_the_field():
+    """hack/podrunner mounts no volumes: a localRun cell's store must be a directory (hostPath)."""
+    claim = unserved(api.parse_cell_spec({**CPU, "localRun": True, "sessionStore": {"claimName": "sessions"}}))
+    assert [u.field for u in claim] == ["sessionStore.claimName"] and "hostPath" in claim[0].reason
+    assert unserved(api.parse_cell_spec({**CPU, "localRun": True, "sessionStore": {"hostPath": "/tmp/s"}})) == []
+    assert unserved(api.parse_cell_spec({**CPU, "sessionStore": {"claimName": "sessions"}})) == []

@@ -42,14 +42,16 @@ def _pod_endpoints(pod: dict[str, Any], port: int, copies: int = 1) -> tuple[lis
     out = []
     for i in range(copies):
         url = f"http://{ip}:{port + i}"
-        ready, refusal = kubelet_ready, None                           # every copy answers its own /readyz below
+        ready, refusal, instance = kubelet_ready, None, None          # every copy answers its own /readyz below
         if SETTINGS.probe_endpoints:
             # asked even when the kubelet says not ready: a worker that refused its spec says why on /readyz
             code, body = kube.http_json("GET", f"{url}/readyz", SETTINGS.probe_timeout)
             ready = ready and code == 200
             refusal = worker_refusal(code, body)
+            if code == 200 and isinstance(body, dict) and isinstance(body.get("instance"), str):
+                instance = body["instance"][:64]
         out.append(api.Endpoint(pod=meta["name"], node=spec.get("nodeName"), url=url, ready=ready, refusal=refusal,
-                                copyIndex=index(i)))
+                                copyIndex=index(i), instance=instance))
     return out, None
 
 

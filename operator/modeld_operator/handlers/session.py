@@ -71,6 +71,31 @@ def worker_session_id(namespace: str, name: str) -> str:
     return f"{namespace}.{name}"
 
 
+RECOVER_TIMEOUT_S = 300.0   # asking a replaced worker for a session: it recovers it from its store first (a prefill)
+
+
+def continuity(url: str, session_id: str) -> tuple[bool | None, str, str]:
+    """After the session's worker process was replaced: ask the new one for the session (GET, which recovers it from
+    the cell's session store) and say what became of it: (True, Restored, ...), (False, Lost | NotHeld, ...), or
+    (None, Unknown, ...) when the worker did not answer (asked again next time)."""
+    code, out = kube.http_json("GET", f"{url}/v1/sessions/{quote(session_id)}", RECOVER_TIMEOUT_S)
+    out = out if isinstance(out, dict) else {}
+    if code == 200:
+        r = out.get("restored") or {}
+        if r.get("tokens_restored") is not None:
+            return True, "Restored", (f"the worker process was replaced; {r['tokens_restored']} committed tokens "
+                                      f"restored from the session store in {r.get('restore_ms', 0):,.0f} ms (a request "
+                                      "in flight when it stopped was not committed: retry it)")
+        return True, "Restored", "the worker process was replaced; the new one holds the session (recovered earlier)"
+    if code == 404:
+        lost = ((out.get("error") or {}).get("details") or {}).get("lost")
+        if lost:
+            return False, "Lost", f"the worker process was replaced and the session's stored state is unusable: {lost}"[:900]
+        return False, "NotHeld", ("the worker process was replaced and holds no state of this session: what the old one "
+                                  "held in memory is lost (the cell has no session store, or nothing was committed)")
+    return None, "Unknown", f"the worker process was replaced; asking it for the session gave HTTP {code or 'no answer'}"
+
+
 def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> None:
     status = dict(body.get("status") or {})
     generation = body["metadata"].get("generation")
@@ -89,6 +114,13 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
         raise kopf.TemporaryError(fit.reason, delay=SETTINGS.retry_delay)
     kube.patch_labels("sessions", namespace, name, {api.LABEL_CELL: fit.cell.name})
     conditions, _ = set_condition(status.get("conditions"), "Bound", True, "Bound", fit.reason, generation)
+    sid, prev, instance = worker_session_id(namespace, name), status.get("workerInstance"), fit.endpoint.instance
+    continued = None
+    if prev and instance and prev != instance and fit.endpoint.url:   # bound before, to a process now gone
+        continued = continuity(fit.endpoint.url, sid)
+        conditions, _ = set_condition(conditions, "Continuity", continued[0], continued[1], continued[2], generation)
+        if continued[0] is None:
+            instance = prev                           # not answered: asked again at the next check
     kube.patch_status(
         "sessions",
         namespace,
@@ -98,7 +130,8 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
             "cell": fit.cell.name,
             "endpoint": fit.endpoint.url,
             "pod": fit.endpoint.pod,
-            "sessionId": worker_session_id(namespace, name),
+            "sessionId": sid,
+            "workerInstance": instance,
             "boundAt": now(),
             "reason": fit.reason,
             "candidates": candidates,
@@ -107,17 +140,23 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
         },
     )
     kopf.event(body, type="Normal", reason="Bound", message=f"{fit.reason} at {fit.endpoint.url}")
+    if continued is not None and continued[0] is not None:
+        kopf.event(body, type="Normal" if continued[0] else "Warning", reason=f"Session{continued[1]}",
+                   message=continued[2])
     created = dt.datetime.fromisoformat(body["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
     metrics.BIND_SECONDS.observe((dt.datetime.now(dt.timezone.utc) - created).total_seconds())
     metrics.RECONCILES.labels("session", "bound").inc()
 
 
 def _binding_alive(namespace: str, status: dict[str, Any]) -> bool:
+    """The bound endpoint is ready and still the same worker process (a new /readyz instance: it was replaced)."""
     cell = kube.get_object("cells", namespace, status.get("cell") or "")
     if cell is None:
         return False
     endpoints = (cell.get("status") or {}).get("endpoints") or []
-    return any(e.get("url") == status.get("endpoint") and e.get("ready") for e in endpoints)
+    known = status.get("workerInstance")
+    return any(e.get("url") == status.get("endpoint") and e.get("ready")
+               and not (known and e.get("instance") and e["instance"] != known) for e in endpoints)
 
 
 def parse_spec(spec: Any) -> api.SessionSpec:
@@ -146,7 +185,8 @@ def keep_bound(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spe
     if status.get("phase") == "Bound":
         if _binding_alive(namespace, status):
             return
-        logger.warning("session %s lost its worker at %s; rebinding", name, status.get("endpoint"))
+        logger.warning("session %s lost its worker at %s (gone, not ready or replaced); rebinding", name,
+                       status.get("endpoint"))
         kube.patch_labels("sessions", namespace, name, {api.LABEL_CELL: None})
     try:
         _bind(name, namespace, body, parse_spec(spec))
