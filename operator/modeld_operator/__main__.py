@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from typing import Any
 
 import kopf
@@ -41,13 +42,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     from . import handlers  # noqa: F401  (registers the handlers)
 
-    asyncio.run(
-        kopf.operator(
+    async def lead(stop: asyncio.Event | None = None) -> None:
+        await kopf.operator(
             clusterwide=not args.namespace,
             namespaces=[args.namespace] if args.namespace else [],
-            standalone=True,
+            standalone=True,          # no kopf peering: replicas are kept apart by the Lease (leader.py)
+            stop_flag=stop,
         )
-    )
+
+    if not SETTINGS.leader_election:
+        asyncio.run(lead())
+        return
+    from . import leader
+
+    kube.load_config()
+    elector = leader.Elector(SETTINGS.lease_namespace, SETTINGS.lease_name, SETTINGS.lease_duration)
+    sys.exit(asyncio.run(leader.run(elector, lead, retry_s=SETTINGS.lease_duration / 3)))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,15 @@ class Settings:
     """MODELD_WATCH_CLIENT_TIMEOUT: seconds the client waits on a watch before reconnecting."""
     log_format: str = "json"
     """MODELD_LOG_FORMAT: json (one object per line) or plain."""
+    leader_election: bool = False
+    """MODELD_LEADER_ELECTION: run kopf only while holding the Lease (leader.py), so replicas never act at once; the
+    chart turns it on."""
+    lease_namespace: str = ""
+    """MODELD_LEASE_NAMESPACE: namespace of the Lease (the chart: the operator's own); required with leader election."""
+    lease_name: str = "modeld-operator"
+    """MODELD_LEASE_NAME: name of the Lease the replicas compete for."""
+    lease_duration: int = 15
+    """MODELD_LEASE_DURATION: seconds a Lease not renewed stays its holder's; the leader renews every third of it."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -61,6 +70,10 @@ class Settings:
         settings = cls(**values)
         if settings.log_format not in ("json", "plain"):
             raise ValueError(f"MODELD_LOG_FORMAT={settings.log_format!r}: use json or plain")
+        if settings.leader_election and not settings.lease_namespace:
+            raise ValueError("MODELD_LEADER_ELECTION=true needs MODELD_LEASE_NAMESPACE (the Lease's namespace)")
+        if settings.lease_duration < 3:
+            raise ValueError(f"MODELD_LEASE_DURATION={settings.lease_duration}: at least 3 seconds")
         return settings
 
 

@@ -109,29 +109,46 @@ def operator_kubeconfig(cluster: Cluster, chart: str) -> Path:
     return Path(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="session")
-def operator(cluster: Cluster, operator_kubeconfig: Path) -> Iterator[Path]:
-    log = cluster.dir / "operator.log"
+OPERATORS: list[subprocess.Popen] = []      # every operator process a test started: stopped at the session's end
+LEASE_DURATION_S = 6                         # short, so a standby takes over quickly after its leader is killed
+
+
+def start_operator(kubeconfig: Path, log: Path) -> subprocess.Popen:
+    """An operator process with leader election on (as the chart runs it): the first to start leads, the others
+    stand by on the Lease."""
     env = {
         **os.environ,
-        "KUBECONFIG": str(operator_kubeconfig),
+        "KUBECONFIG": str(kubeconfig),
         "MODELD_STATUS_INTERVAL": "1",
         "MODELD_RETRY_DELAY": "2",
         "MODELD_METRICS_PORT": "0",
         "MODELD_LOG_FORMAT": "plain",
+        "MODELD_LEADER_ELECTION": "true",
+        "MODELD_LEASE_NAMESPACE": RELEASE_NS,
+        "MODELD_LEASE_DURATION": str(LEASE_DURATION_S),
     }
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "modeld_operator"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    OPERATORS.append(proc)
+    return proc
+
+
+@pytest.fixture(scope="session")
+def operator(cluster: Cluster, operator_kubeconfig: Path) -> Iterator[Path]:
+    log = cluster.dir / "operator.log"
+    proc = start_operator(operator_kubeconfig, log)
     try:
-        time.sleep(2)
-        assert proc.poll() is None, log.read_text()
+        wait_until("the operator leads (holds the Lease)", lambda: proc.poll() is None and "now held by" in
+                   log.read_text(errors="replace"), timeout=60)
         yield log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for p in OPERATORS:
+            p.terminate()
+        for p in OPERATORS:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 @pytest.fixture

@@ -45,9 +45,20 @@ def test_rbac_is_least_privilege(cluster):
                 assert doc["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
 
 
+def test_replicas_elect_a_leader_with_a_lease_in_the_release_namespace_only(cluster):
+    docs = rendered(cluster, "--set", "replicaCount=2")
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert dep["spec"]["replicas"] == 2 and env["MODELD_LEADER_ELECTION"]["value"] == "true"
+    assert env["MODELD_LEASE_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader")]
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]
+
+
 def test_values_schema_rejects_bad_values(cluster):
     for bad, message in [
-        (["--set", "replicaCount=3"], "replicaCount"),
+        (["--set", "replicaCount=9"], "replicaCount"),
         (["--set", "operator.logFormat=xml"], "logFormat"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "unknownKey=1"], "unknownKey"),

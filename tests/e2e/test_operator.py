@@ -8,12 +8,13 @@ import http.client
 import json
 import os
 import signal
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from .conftest import wait_until
+from .conftest import LEASE_DURATION_S, OPERATORS, RELEASE_NS, start_operator, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -404,3 +405,47 @@ def test_a_bound_session_survives_kill_9_of_its_worker_mid_decode(cluster, opera
     assert f"{held} committed tokens restored" in cont["message"], cont
     out = post(f"{st['endpoint']}/v1/sessions/{sid}/decode", {"max_tokens": 12})
     assert out["tokens"] == want
+
+
+def lease_holder(cluster) -> str | None:
+    res = cluster.kubectl("get", "lease", "modeld-operator", "-n", RELEASE_NS, "-o", "json", check=False)
+    return json.loads(res.stdout)["spec"].get("holderIdentity") if res.returncode == 0 else None
+
+
+def test_a_killed_leader_is_replaced_by_its_standby_and_nothing_is_created_twice(
+        cluster, operator, operator_kubeconfig, namespace):
+    """Two operator processes with leader election (as the chart's replicas run): the standby waits on the Lease.
+    The leader is killed with SIGKILL right after a new Cell is applied (mid-reconcile); the standby takes the Lease
+    once it expires, finishes the Cell with one Deployment and one certification Job, and a Session bound before the
+    kill keeps its binding (same worker session, same process, same bind time)."""
+    cluster.apply(cpu_cell("before", 2048), namespace)
+    cluster.apply(session("kept", 1500), namespace)
+    kept = wait_until("bound before the kill", lambda: (s := status_of(cluster, namespace, "session", "kept"))
+                      .get("phase") == "Bound" and s, timeout=400, interval=2)
+    leader_proc = next(p for p in OPERATORS if p.poll() is None)
+    held_by = lease_holder(cluster)
+    assert held_by and held_by.endswith(f"_{leader_proc.pid}"), held_by
+    standby_log = operator.parent / "operator-standby.log"
+    standby = start_operator(operator_kubeconfig, standby_log)
+    wait_until("the standby stands by", lambda: "standing by" in standby_log.read_text(errors="replace"), timeout=60)
+
+    cluster.apply(cpu_cell("after", 2048), namespace)
+    time.sleep(0.5)                                          # the leader is reconciling the new Cell now
+    leader_proc.send_signal(signal.SIGKILL)
+    leader_proc.wait(10)
+    wait_until("the standby leads", lambda: (lease_holder(cluster) or "").endswith(f"_{standby.pid}"),
+               timeout=LEASE_DURATION_S * 4)
+    wait_until("the new Cell Ready under the new leader",
+               lambda: status_of(cluster, namespace, "cell", "after").get("phase") in ("Ready", "Certified"),
+               timeout=300)
+    deployments = json.loads(cluster.kubectl("get", "deployments", "-n", namespace, "-l", "modeld.contenox.io/cell=after",
+                                             "-o", "json").stdout)["items"]
+    assert len(deployments) == 1, [d["metadata"]["name"] for d in deployments]
+    wait_until("the new Cell's certification", lambda: certification_verdict(cluster, namespace, "after"),
+               timeout=600, interval=2)
+    jobs = [j["metadata"]["name"] for j in json.loads(cluster.kubectl("get", "jobs", "-n", namespace, "-o", "json")
+                                                          .stdout)["items"] if j["metadata"]["name"].startswith("certify-after-")]
+    assert len(jobs) == 1, jobs
+    now = status_of(cluster, namespace, "session", "kept")
+    assert (now["phase"], now["sessionId"], now["workerInstance"], now["boundAt"]) == (
+        "Bound", kept["sessionId"], kept["workerInstance"], kept["boundAt"]), (kept, now)
