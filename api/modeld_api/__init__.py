@@ -35,6 +35,11 @@ ANNOTATION_CERTIFY_ARGS = f"{GROUP}/certify-args"  # e.g. "--repeats 1 --agent-t
 LABEL_CERTIFIES = f"{GROUP}/certifies"  # on a certification Job and its pod: the Cell it measures
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Names the apiserver accepts that the operator derives others from (the CRDs' root CEL rules): a Cell's name is a
+# label value (63 characters) and part of "cell-<name>" and "certify-<name>-<key>"; a Session's is part of the worker
+# session id "<namespace>.<name>" (the worker's pattern allows 128 characters; a namespace has at most 63).
+CELL_NAME_MAX = 58
+SESSION_NAME_MAX = 64
 FAMILY_PATTERN = r"^[a-z0-9][a-z0-9.-]{0,62}$"
 
 

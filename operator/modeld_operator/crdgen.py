@@ -186,7 +186,13 @@ def crds() -> dict[str, dict[str, Any]]:
             api.cel(
                 "!has(self.spec.baseline) || self.spec.baseline != self.metadata.name",
                 "spec.baseline names this cell itself: a cell is measured against a different cell",
-            )
+            ),
+            api.cel(
+                f"size(self.metadata.name) <= {api.CELL_NAME_MAX} && self.metadata.name.matches('{api.NAME_PATTERN}')",
+                f"metadata.name: a Cell's name is the value of its pods' and Sessions' {api.LABEL_CELL} label and "
+                f"part of its objects' names (cell-<name>, certify-<name>-<key>): at most {api.CELL_NAME_MAX} "
+                "lowercase letters, digits and '-', starting and ending with a letter or digit (no dots)",
+            ),
         ],
         scale=True,
     )
@@ -205,7 +211,13 @@ def crds() -> dict[str, dict[str, Any]]:
             _col("Endpoint", ".status.endpoint", priority=1),
             _col("Age", ".metadata.creationTimestamp", "date"),
         ],
-        [],
+        [
+            api.cel(
+                f"size(self.metadata.name) <= {api.SESSION_NAME_MAX}",
+                f"metadata.name: a Session's worker session id is <namespace>.<name>, at most 128 characters: the "
+                f"name may have at most {api.SESSION_NAME_MAX}",
+            ),
+        ],
         scale=False,
     )
     return {"cells.yaml": cell, "sessions.yaml": session}

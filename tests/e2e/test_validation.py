@@ -126,6 +126,10 @@ MALFORMED = [
         edit(SESSION, "spec.latencyBudget", {"firstOutputMs": -5}),
         "spec.latencyBudget.firstOutputMs in body should be greater than or equal to 1",
     ),
+    # names the operator derives other names from (a label value, cell-<name>, <namespace>.<name>)
+    ("cell-name-too-long", edit(CELL, "metadata.name", "c" * 59), "at most 58 lowercase letters"),
+    ("cell-name-with-dots", edit(CELL, "metadata.name", "smollm2.cpu"), "(no dots)"),
+    ("session-name-too-long", edit(SESSION, "metadata.name", "s" * 65), "the name may have at most 64"),
 ]
 
 
