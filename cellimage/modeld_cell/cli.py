@@ -38,6 +38,9 @@ class SpecError(ValueError):
     """The cell spec cannot be read or is invalid; the message says which field and why."""
 
 
+DRAIN_S = 25.0   # seconds the requests in flight get after SIGTERM (within the pod's 30 s grace period)
+
+
 def load_spec(cell_file: str | None, settings: Settings) -> dict[str, Any]:
     """The validated Cell ``.spec`` as a plain dict, with MODELD_KV_MEMORY_MIB applied."""
     if cell_file:
@@ -141,13 +144,15 @@ async def serve(settings: Settings, spec: dict[str, Any]) -> int:
     # tests exercise this behaviour. access_log=None: the server logs its own structured line per request.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    # shutdown_timeout: on SIGTERM the requests in flight get this long to finish (the pod's grace period is 30 s)
+    site = web.TCPSite(runner, settings.host, settings.port, shutdown_timeout=DRAIN_S)
     await site.start()
     log.info("listening; loading the model", extra={"fields": {"host": settings.host, "port": settings.port,
                                                                 "cell": settings.cell_name,
                                                                 "namespace": settings.cell_namespace}})
 
     stop = asyncio.Event()
+    cleaned = False
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -173,12 +178,19 @@ async def serve(settings: Settings, spec: dict[str, Any]) -> int:
             app[WORKER].attach(engine)
             log.info("ready", extra={"fields": {"model": model_name(spec)}})
             await stopping
+            # drain: new requests answer not_ready, the listener closes, the requests in flight finish (up to
+            # DRAIN_S), and only then does the engine stop
+            app[WORKER].drain()
+            log.info("draining", extra={"fields": {"timeout_s": DRAIN_S}})
+            await runner.cleanup()
+            cleaned = True
             await asyncio.to_thread(engine.shutdown)      # a multi-rank cell's followers stop with it
         log.info("shutting down")
         return 0
     finally:
         stopping.cancel()
-        await runner.cleanup()
+        if not cleaned:
+            await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,7 @@ class Worker:
         # the spec was refused at start (a value not served, a profile whose measured smoke fails): every route
         # answers it, /readyz included, while /healthz stays up, so the pod does not restart into the same refusal
         self.refusal: ContractError | None = None
+        self.draining = False                       # SIGTERM received (drain)
         self.metrics.bind_engine(self._engine_gauges, self._cache_config)
         if engine is not None:
             self.attach(engine)
@@ -78,7 +79,14 @@ class Worker:
         """The engine will not load for a reason the spec carries: answer it instead of serving."""
         self.refusal = err
 
+    def drain(self) -> None:
+        """SIGTERM: new requests answer not_ready (503, so clients and load balancers go elsewhere) while the ones
+        in flight finish; cli.serve then waits for them before stopping the engine."""
+        self.draining = True
+
     def _ready_engine(self) -> SessionEngine:
+        if self.draining:
+            raise NotReady("the worker is shutting down (SIGTERM): requests in flight finish, new ones go elsewhere")
         if self.refusal is not None:
             r = self.refusal
             raise type(r)(f"the worker refused its cell spec at start: {r.message}", refused=True, **r.details)

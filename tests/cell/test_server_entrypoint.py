@@ -182,3 +182,38 @@ def test_a_refused_spec_keeps_the_worker_up_and_says_why(smollm2_path, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_drains_the_requests_in_flight(smollm2_path, tmp_path):
+    """SIGTERM while a decode streams: the decode runs to its done event, a new request meanwhile is refused (503
+    not_ready, typed, or the listener is closed), and the process exits 0."""
+    import http.client
+
+    cell = tmp_path / "cell.yaml"
+    cell.write_text(yaml.safe_dump(CELL))
+    proc, base = _start_worker(cell, smollm2_path, tmp_path / "cache", tmp_path / "worker.log")
+    try:
+        assert _wait_for(base + "/readyz", proc, tmp_path / "worker.log")["ready"] is True
+        assert _http("POST", base + "/v1/sessions/d/prefix", {"text": "Once upon a time, in a quiet harbour town,"})[0] \
+            == 200
+        req = urllib.request.Request(base + "/v1/sessions/d/decode", json.dumps(
+            {"max_tokens": 48, "stop_token_ids": [], "stream": True}).encode(), {"Content-Type": "application/json"})
+        stream = urllib.request.urlopen(req, timeout=120)
+        while not stream.readline().startswith(b"event: token"):
+            pass
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:
+            status, body = _http("POST", base + "/v1/sessions/e/prefix", {"text": "hello"})
+            assert status == 503 and body["error"]["kind"] == "not_ready" and "shutting down" in \
+                body["error"]["message"], body
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException):
+            pass                                         # the listener is already closed: also refused
+        rest = stream.read()
+        assert b"event: done" in rest, rest[-500:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    assert "draining" in (tmp_path / "worker.log").read_text()
