@@ -212,7 +212,7 @@ class BlockManager:
         if src is None:
             return
         try:
-            self.grow(s, plan.keep)
+            self.grow(s, len(toks))   # the whole prompt's blocks, before the await (engine.ensure_prefix)
             _, cancelled = await self.e._torch(self.kv.copy_block, src, s.blocks[len(plan.shared)], plan.cow_len)
         finally:
             self.kv.free([src])

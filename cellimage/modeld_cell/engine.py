@@ -276,10 +276,13 @@ class Engine:
                                  "tokens_computed": len(toks) - keep, "reuse": self._reuse_info(plan, lookup_ms)}
         att: list[dict] = []
         try:
+            # every block the plan counted is taken before the first await: a request running meanwhile cannot take
+            # them, so no Overflow can come after the session was changed (attach reserves them itself)
             if plan.source == "prefix-cache":
                 await self.blocks.attach(s, toks, plan)
             elif not nothing_to_do:
                 self.blocks.truncate(s, keep)
+                self.blocks.grow(s, len(toks))
                 if keep < len(toks):
                     await self.blocks.make_writable(s, keep)
             if not nothing_to_do:
@@ -325,8 +328,8 @@ class Engine:
         att: list[dict] = []
         try:
             if new:
+                self.blocks.grow(s, total)                      # reserved before the first await (ensure_prefix)
                 await self.blocks.make_writable(s, s.kv_len)
-                self.blocks.grow(s, total)
                 tr_kw["prefill_ms"], q = await prefill(self, s, new, deadline, att)
                 tr_kw["queue_ms"] = q or 0.0
                 tr_kw["fallback"] = self.sparse_policy.fallback(att) if self.sparse else None
@@ -376,13 +379,14 @@ class Engine:
         try:
             if granted > 0 and s.logits is None and s.kv_len == len(s.tokens):
                 s.kv_len -= 1                            # logits unknown: re-run the last token first
-            if granted > 0:
+            self.blocks.grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
+            if granted > 0:                                    # (reserved before this await: ensure_prefix)
                 try:
                     await self.blocks.make_writable(s, s.kv_len)
                 except BaseException:
                     req.done = True                      # never joined the decode loop: nothing to wait for
+                    self.blocks.trim(s)
                     raise
-            self.blocks.grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
             if granted == 0:
                 self.scheduler.finish(req, "length")
             else:
