@@ -39,6 +39,8 @@ from typing import Any
 
 import aiohttp
 
+from modeld_cell.certify.harness import quantile
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "QZ7XK-48213-PLMV"
 KINDS = {"bad_request", "not_found", "conflict", "overflow", "timeout", "unsupported", "fatal", "not_ready",
@@ -59,12 +61,8 @@ def cell(kv_mib: int, tier: int) -> dict[str, Any]:
 
 
 def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return round(s[lo] + (s[hi] - s[lo]) * (k - lo), 2)
+    """The certification harness's quantile (linear between order statistics), rounded; None for no samples."""
+    return round(quantile(sorted(xs), q), 2) if xs else None
 
 
 class Load:

@@ -468,6 +468,14 @@ def enum_value(x: Any) -> str:
     return str(x.value if isinstance(x, Enum) else x)
 
 
+def ranks_of(spec: CellSpec) -> int:
+    """Processes the cell runs (one pod's worker processes): 1 for ``single``, else ``runtime.ranks`` (``topology.gpus``
+    when omitted). The operator's pod command, the worker's config and ``certify --spawn`` all read it here."""
+    if enum_value(spec.runtime.parallelism) == Parallelism.single.value:
+        return 1
+    return spec.runtime.ranks or spec.topology.gpus
+
+
 def validation_problems(e: ValidationError) -> list[tuple[str, str]]:
     """(field path, message) of each problem a validation found, in order; the path is "spec" at the top level."""
     return [(".".join(str(p) for p in err["loc"]) or "spec", err["msg"]) for err in e.errors(include_url=False)]

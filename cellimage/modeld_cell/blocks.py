@@ -200,8 +200,9 @@ class BlockManager:
             self.kv.forget(b)
 
     async def attach(self, s: Session, toks: list[int], plan: Plan) -> None:
-        """Replace what s holds by the plan's shared blocks (+ a copied head of the divergence block); the caller
-        grows and prefills the rest. The copy source is held while the copy runs, so nothing evicts or rewrites it."""
+        """Replace what s holds by the plan's shared blocks (+ a copied head of the divergence block) and take the
+        blocks the rest of ``toks`` needs, before the copy's await (engine.ensure_prefix); the caller prefills the
+        rest. The copy source is held while the copy runs, so nothing evicts or rewrites it."""
         src = plan.cow_src
         self.kv.acquire(plan.shared + ([src] if src is not None else []))
         old = s.blocks
@@ -209,10 +210,10 @@ class BlockManager:
         s.tokens = toks[: len(plan.shared) * self.kv.block_size]
         s.kv_len, s.logits = len(s.tokens), None
         self.kv.free(old[::-1])
+        self.grow(s, len(toks))
         if src is None:
             return
         try:
-            self.grow(s, len(toks))   # the whole prompt's blocks, before the await (engine.ensure_prefix)
             _, cancelled = await self.e._torch(self.kv.copy_block, src, s.blocks[len(plan.shared)], plan.cow_len)
         finally:
             self.kv.free([src])

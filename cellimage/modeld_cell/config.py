@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from modeld_api import CellSpec, enum_value, parse_cell_spec, validation_problems
+from modeld_api import CellSpec, enum_value, parse_cell_spec, ranks_of, validation_problems
 from modeld_api.served import unserved
 
 from . import errors
@@ -144,7 +144,7 @@ class CellConfig:
         compute = weights if weights in _DTYPES else cpu_compute_dtype()  # a stored format: dequantized at load
         mib = spec.kvMemoryMiB if spec.kvMemoryMiB is not None else DEFAULT_KV_MEMORY_MIB
         parallelism = enum_value(spec.runtime.parallelism)
-        ranks = 1 if parallelism == "single" else (spec.runtime.ranks or spec.topology.gpus)
+        ranks = ranks_of(spec)
         return cls(spec=spec, backend=enum_value(spec.runtime.backend), weights=compute, weights_storage=weights,
                    kv=kv_format(enum_value(spec.profile.kv)).name, kv_memory_mib=mib, context_tier=spec.contextTier,
                    parallelism=parallelism, ranks=ranks)

@@ -277,7 +277,7 @@ class Engine:
         att: list[dict] = []
         try:
             # every block the plan counted is taken before the first await: a request running meanwhile cannot take
-            # them, so no Overflow can come after the session was changed (attach reserves them itself)
+            # them, so no Overflow can come after the session was changed (attach takes them itself)
             if plan.source == "prefix-cache":
                 await self.blocks.attach(s, toks, plan)
             elif not nothing_to_do:
@@ -286,7 +286,6 @@ class Engine:
                 if keep < len(toks):
                     await self.blocks.make_writable(s, keep)
             if not nothing_to_do:
-                self.blocks.grow(s, len(toks))
                 if s.kv_len < len(toks):
                     tr_kw["prefill_ms"], q = await prefill(self, s, toks[s.kv_len :], deadline, att)
                     tr_kw["queue_ms"] = q or 0.0
@@ -437,10 +436,7 @@ class Engine:
     def forget_stored(self, session_id: str) -> bool:
         """Drop the stored state of a session this engine does not hold (closing a session lost with the process);
         False when the engine holds it (close_session closes it) or nothing is stored."""
-        if self.journal is None or session_id in self._sessions or not self.journal.path(session_id).exists():
-            return False
-        self.journal.drop(session_id)
-        return True
+        return self.journal is not None and session_id not in self._sessions and self.journal.drop(session_id)
 
     async def recover(self, session_id: str) -> dict[str, Any] | None:
         """A session this engine does not hold, from the session store: its committed tokens prefilled again and

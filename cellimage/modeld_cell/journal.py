@@ -79,11 +79,13 @@ class Journal:
             return None, f"the stored state of session {session_id!r} holds no valid tokens"
         return d, None
 
-    def drop(self, session_id: str) -> None:
+    def drop(self, session_id: str) -> bool:
+        """Delete the session's stored state; False when there was none."""
         try:
             self.path(session_id).unlink()
         except FileNotFoundError:
-            pass
+            return False
+        return True
 
     def stats(self) -> dict[str, Any]:
         return {"dir": str(self.dir), "commits": self.commits, "bytes_written": self.bytes_written,

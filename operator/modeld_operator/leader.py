@@ -3,7 +3,7 @@
 kopf's own peering is not leader election: operators of equal priority all freeze (docs.kopf.dev "Peering"), and a
 higher priority must be configured by hand. So the operator runs kopf only while it holds a Lease, the way
 client-go's leaderelection package and controller-runtime's managers do: a candidate takes the Lease when it is
-free or its holder stopped renewing it for ``duration`` seconds, the leader renews it every ``renew`` seconds
+free or its holder stopped renewing it for ``duration`` seconds, the leader renews it every ``retry_s`` seconds
 (optimistic concurrency on the resourceVersion: of two candidates only one update wins), and a leader that cannot
 renew before its own lease runs out stops kopf and exits non-zero, so its pod restarts as a candidate. A leader that
 stops cleanly gives the Lease up (holderIdentity cleared), so a standby takes over at once instead of after
@@ -26,8 +26,6 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-
-from . import kube
 
 log = logging.getLogger("modeld_operator.leader")
 
@@ -122,8 +120,8 @@ class Elector:
 
 async def run(elector: Elector, lead: Callable[[asyncio.Event], Awaitable[None]], retry_s: float) -> int:
     """Wait for the Lease, then ``lead(stop)`` while renewing it every ``retry_s``; returns the exit status: 0 after a
-    clean stop, 1 when the Lease was lost (the pod restarts as a candidate)."""
-    kube.load_config()
+    clean stop, 1 when the Lease was lost (the pod restarts as a candidate). The caller loaded the kube config (the
+    Elector's client needs it)."""
     waiting_logged = False
     while not await asyncio.to_thread(elector.attempt):
         if not waiting_logged:

@@ -131,16 +131,9 @@ def node_affinity(spec: api.CellSpec) -> dict[str, Any]:
     return {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}
 
 
-def ranks_of(spec: api.CellSpec) -> int:
-    """Processes in the cell pod: 1, or runtime.ranks (topology.gpus when omitted) for a multi-rank parallelism."""
-    if api.enum_value(spec.runtime.parallelism) == api.Parallelism.single.value:
-        return 1
-    return spec.runtime.ranks or spec.topology.gpus
-
-
 def copies_of(spec: api.CellSpec) -> int:
     """Endpoints per pod: a data-parallel cell's copies each serve on spec.port + i; every other cell serves one."""
-    return ranks_of(spec) if api.enum_value(spec.runtime.parallelism) == api.Parallelism.data.value else 1
+    return api.ranks_of(spec) if api.enum_value(spec.runtime.parallelism) == api.Parallelism.data.value else 1
 
 
 def worker_command(spec: api.CellSpec) -> list[str]:
@@ -148,7 +141,7 @@ def worker_command(spec: api.CellSpec) -> list[str]:
     others follow it; a data-parallel cell's ranks are copies, each serving on spec.port + rank; a rank that exits
     makes the launcher stop the rest and exit, so the container restarts them together). ``--standalone``: the
     ranks meet on a free local port inside the pod."""
-    ranks = ranks_of(spec)
+    ranks = api.ranks_of(spec)
     if ranks == 1:
         return ["modeld-cell", "serve"]
     return ["python", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",

@@ -65,20 +65,21 @@ class Target:
     quality: dict[str, Any] = field(default_factory=dict)
 
 
+def quantile(s: list[float], p: float) -> float:
+    """The ``p`` quantile of sorted samples ``s``, by linear interpolation between order statistics."""
+    k = (len(s) - 1) * p
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
 def stats(xs: list[float]) -> dict[str, float] | None:
     """p50/p90/p95 by linear interpolation between order statistics, with n, min and max; None for no samples."""
     if not xs:
         return None
     s = sorted(xs)
-
-    def q(p: float) -> float:
-        k = (len(s) - 1) * p
-        lo = int(k)
-        hi = min(lo + 1, len(s) - 1)
-        return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-    return {"p50": round(q(0.5), 3), "p90": round(q(0.9), 3), "p95": round(q(0.95), 3), "n": len(s),
-            "min": round(s[0], 3), "max": round(s[-1], 3)}
+    return {"p50": round(quantile(s, 0.5), 3), "p90": round(quantile(s, 0.9), 3), "p95": round(quantile(s, 0.95), 3),
+            "n": len(s), "min": round(s[0], 3), "max": round(s[-1], 3)}
 
 
 def topology_string(spec: dict[str, Any] | None, cap: dict[str, Any]) -> str:

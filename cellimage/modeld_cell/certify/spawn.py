@@ -43,22 +43,15 @@ def _free(port: int) -> bool:
         return True
 
 
-def ranks_of(spec: dict) -> int:
-    """Processes the cell runs (operator placement.ranks_of, on the manifest's plain mapping): 1 for ``single``,
-    else ``runtime.ranks`` or ``topology.gpus``."""
-    rt = spec.get("runtime") or {}
-    if rt.get("parallelism", "single") == "single":
-        return 1
-    return int(rt.get("ranks") or (spec.get("topology") or {}).get("gpus") or 1)
-
-
 class Worker:
     def __init__(self, name: str, cell_file: str, log_path: Path, spec: dict | None = None):
-        ranks = ranks_of(spec or {})
-        data = (spec or {}).get("runtime", {}).get("parallelism") == "data"
+        import modeld_api  # the worker validates its spec with the API package
+
+        cell = modeld_api.parse_cell_spec(spec) if spec else None   # invalid: ValueError, reported as a failed run
+        ranks = modeld_api.ranks_of(cell) if cell else 1
+        data = cell is not None and modeld_api.enum_value(cell.runtime.parallelism) == "data"
         self.name, self.port = name, free_port(ranks if data else 1)
         self.url = f"http://127.0.0.1:{self.port}"
-        import modeld_api  # the worker validates its spec with the API package
 
         paths = [str(Path(m.__file__).resolve().parents[1]) for m in (modeld_cell, modeld_api)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -70,8 +63,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, *launcher, "-m", "modeld_cell", "serve", "--cell", cell_file, "--host", "127.0.0.1",
              "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        log.info("spawned %s (pid %d, %d rank%s) on %s, log %s", name, self.proc.pid, ranks, "s"[:ranks > 1],
-                 self.url, log_path)
+        log.info("spawned %s (pid %d, ranks %d) on %s, log %s", name, self.proc.pid, ranks, self.url, log_path)
 
     def wait_ready(self, timeout_s: float = READY_S) -> None:
         client, end = Client(self.url, timeout_s=10), time.monotonic() + timeout_s
