@@ -18,6 +18,13 @@ from .settings import SETTINGS
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    tune(settings)
+    kube.load_config()
+    metrics.serve(SETTINGS.metrics_port)
+
+
+def tune(settings: kopf.OperatorSettings) -> None:
+    """kopf's settings as the operator needs them (tests/unit/test_operator_settings.py)."""
     # A silent watch must not hang the operator (kopf #585, #860): bounded server and client timeouts.
     settings.watching.server_timeout = SETTINGS.watch_server_timeout
     settings.watching.client_timeout = SETTINGS.watch_client_timeout
@@ -27,8 +34,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
     settings.posting.level = logging.INFO
     settings.execution.max_workers = 8
-    kube.load_config()
-    metrics.serve(SETTINGS.metrics_port)
+    # A deleted object's finalizer goes only once its timers have stopped. A timer caught mid-call (a sync status
+    # refresh in a thread) is polled again after cancellation_polling, 60 s by default: one deletion in a few then
+    # took a minute more (an e2e `kubectl delete cell --timeout=60s` failed on it). Poll every second instead.
+    settings.background.cancellation_polling = 1.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
 
     kube.load_config()
     elector = leader.Elector(SETTINGS.lease_namespace, SETTINGS.lease_name, SETTINGS.lease_duration)
-    sys.exit(asyncio.run(leader.run(elector, lead, retry_s=SETTINGS.lease_duration / 3)))
+    sys.exit(asyncio.run(leader.run(elector, lead, retry_s=SETTINGS.lease_duration / 6)))
 
 
 if __name__ == "__main__":

@@ -13,18 +13,31 @@ from kubernetes.client.exceptions import ApiException
 
 import modeld_api as api
 
-_loaded = False
+_client: client.ApiClient | None = None
+# Every apiserver call is bounded: a stalled connection must not hold one of kopf's handler threads (or a timer a
+# Cell's deletion waits for) forever. (connect, read) seconds; a timeout is retried like a 5xx.
+TIMEOUT = (10, 30)
 
 
 def load_config() -> None:
-    global _loaded
-    if _loaded:
+    """Load the kube config once and make the one ApiClient every call shares: its connection pool keeps connections
+    alive, where a client per call paid a TCP and TLS handshake per request (the apiserver's CPU, under load)."""
+    global _client
+    if _client is not None:
         return
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    _loaded = True
+    conf = client.Configuration.get_default_copy()
+    conf.connection_pool_maxsize = 32     # kopf's handler threads and the leader's renewals share it
+    _client = client.ApiClient(conf)
+
+
+def api_client() -> client.ApiClient:
+    load_config()
+    assert _client is not None
+    return _client
 
 
 def _raise(exc: ApiException, what: str) -> None:
@@ -35,18 +48,19 @@ def _raise(exc: ApiException, what: str) -> None:
 
 
 def custom() -> client.CustomObjectsApi:
-    load_config()
-    return client.CustomObjectsApi()
+    return client.CustomObjectsApi(api_client())
 
 
 def core() -> client.CoreV1Api:
-    load_config()
-    return client.CoreV1Api()
+    return client.CoreV1Api(api_client())
 
 
 def apps() -> client.AppsV1Api:
-    load_config()
-    return client.AppsV1Api()
+    return client.AppsV1Api(api_client())
+
+
+def _plain(obj: Any) -> Any:
+    return api_client().sanitize_for_serialization(obj)
 
 
 def namespaced(namespace: str | None) -> str:
@@ -59,7 +73,7 @@ def namespaced(namespace: str | None) -> str:
 def patch_status(plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
     try:
         custom().patch_namespaced_custom_object_status(
-            api.GROUP, api.VERSION, namespace, plural, name, {"status": status}
+            api.GROUP, api.VERSION, namespace, plural, name, {"status": status}, _request_timeout=TIMEOUT
         )
     except ApiException as exc:
         if exc.status == 404:
@@ -70,7 +84,7 @@ def patch_status(plural: str, namespace: str, name: str, status: dict[str, Any])
 def patch_labels(plural: str, namespace: str, name: str, labels: dict[str, str | None]) -> None:
     try:
         custom().patch_namespaced_custom_object(
-            api.GROUP, api.VERSION, namespace, plural, name, {"metadata": {"labels": labels}}
+            api.GROUP, api.VERSION, namespace, plural, name, {"metadata": {"labels": labels}}, _request_timeout=TIMEOUT
         )
     except ApiException as exc:
         if exc.status != 404:
@@ -80,7 +94,7 @@ def patch_labels(plural: str, namespace: str, name: str, labels: dict[str, str |
 def list_objects(plural: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
     try:
         res: Any = custom().list_namespaced_custom_object(
-            api.GROUP, api.VERSION, namespace, plural, label_selector=label_selector
+            api.GROUP, api.VERSION, namespace, plural, label_selector=label_selector, _request_timeout=TIMEOUT
         )
     except ApiException as exc:
         _raise(exc, f"listing {plural}")
@@ -89,7 +103,8 @@ def list_objects(plural: str, namespace: str, label_selector: str = "") -> list[
 
 def get_object(plural: str, namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        obj: dict[str, Any] = custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, plural, name)  # type: ignore[assignment]
+        obj: dict[str, Any] = custom().get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, plural, name,
+                                                                      _request_timeout=TIMEOUT)  # type: ignore[assignment]
         return obj
     except ApiException as exc:
         if exc.status == 404:
@@ -100,31 +115,32 @@ def get_object(plural: str, namespace: str, name: str) -> dict[str, Any] | None:
 
 def list_nodes() -> list[dict[str, Any]]:
     try:
-        res = core().list_node()
+        res = core().list_node(_request_timeout=TIMEOUT)
     except ApiException as exc:
         _raise(exc, "listing nodes")
-    return [client.ApiClient().sanitize_for_serialization(n) for n in res.items]
+    return [_plain(n) for n in res.items]
 
 
 def list_pods(namespace: str, label_selector: str) -> list[dict[str, Any]]:
     try:
-        res = core().list_namespaced_pod(namespace, label_selector=label_selector)
+        res = core().list_namespaced_pod(namespace, label_selector=label_selector, _request_timeout=TIMEOUT)
     except ApiException as exc:
         _raise(exc, "listing pods")
-    return [client.ApiClient().sanitize_for_serialization(p) for p in res.items]
+    return [_plain(p) for p in res.items]
 
 
 def apply_deployment(manifest: dict[str, Any]) -> None:
     """Create, or patch to the desired state (a strategic merge of our own fields)."""
     name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
     try:
-        apps().create_namespaced_deployment(namespace, manifest)  # type: ignore[arg-type]  # the client takes dicts
+        apps().create_namespaced_deployment(namespace, manifest, _request_timeout=TIMEOUT)  # type: ignore[arg-type]  # the client takes dicts
         return
     except ApiException as exc:
         if exc.status != 409:
             _raise(exc, f"creating deployment {name}")
     try:
-        apps().replace_namespaced_deployment(name, namespace, _with_version(namespace, name, manifest))  # type: ignore[arg-type]
+        apps().replace_namespaced_deployment(
+            name, namespace, _with_version(namespace, name, manifest), _request_timeout=TIMEOUT)  # type: ignore[arg-type]
     except ApiException as exc:
         _raise(exc, f"updating deployment {name}")
 
@@ -132,29 +148,30 @@ def apply_deployment(manifest: dict[str, Any]) -> None:
 def delete_deployment(namespace: str, name: str) -> None:
     """Delete a Deployment and its pods now (foreground); absent is fine."""
     try:
-        apps().delete_namespaced_deployment(name, namespace, propagation_policy="Foreground")
+        apps().delete_namespaced_deployment(name, namespace, propagation_policy="Foreground",
+                                            _request_timeout=TIMEOUT)
     except ApiException as exc:
         if exc.status != 404:
             _raise(exc, f"deleting deployment {name}")
 
 
 def _with_version(namespace: str, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    current = apps().read_namespaced_deployment(name, namespace)
+    current = apps().read_namespaced_deployment(name, namespace, _request_timeout=TIMEOUT)
     meta = current.metadata
     assert meta is not None, "a stored Deployment has metadata"
     out = json.loads(json.dumps(manifest))
     out["metadata"]["resourceVersion"] = meta.resource_version
     out["metadata"]["ownerReferences"] = manifest["metadata"].get("ownerReferences") or [
-        client.ApiClient().sanitize_for_serialization(r) for r in meta.owner_references or []
+        _plain(r) for r in meta.owner_references or []
     ]
     return out
 
 
 def create_job(manifest: dict[str, Any]) -> None:
     """Create once; an existing Job of that name is the same measurement."""
-    load_config()
     try:
-        client.BatchV1Api().create_namespaced_job(manifest["metadata"]["namespace"], manifest)  # type: ignore[arg-type]
+        client.BatchV1Api(api_client()).create_namespaced_job(
+            manifest["metadata"]["namespace"], manifest, _request_timeout=TIMEOUT)  # type: ignore[arg-type]
     except ApiException as exc:
         if exc.status != 409:
             _raise(exc, f"creating job {manifest['metadata']['name']}")

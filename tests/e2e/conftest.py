@@ -110,7 +110,23 @@ def operator_kubeconfig(cluster: Cluster, chart: str) -> Path:
 
 
 OPERATORS: list[subprocess.Popen] = []      # every operator process a test started: stopped at the session's end
-LEASE_DURATION_S = 6                         # short, so a standby takes over quickly after its leader is killed
+LEASE_DURATION_S = 10                        # short, so a standby takes over quickly after its leader is killed
+OPERATOR_LOGS: list[Path] = []               # their logs: a failing test's report ends with their tails
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failing e2e test's report carries the last lines of each operator's log: what the operator did (or failed
+    to) is most of what explains a failure here, and CI keeps only the test output."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed and call.when == "call":
+        for log in OPERATOR_LOGS:
+            try:
+                lines = log.read_text(errors="replace").splitlines()[-60:]
+            except OSError:
+                continue
+            report.sections.append((f"{log.name} (last {len(lines)} lines)", "\n".join(lines)))
 
 
 def start_operator(kubeconfig: Path, log: Path) -> subprocess.Popen:
@@ -130,6 +146,7 @@ def start_operator(kubeconfig: Path, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "modeld_operator"], env=env, stdout=out, stderr=subprocess.STDOUT)
     OPERATORS.append(proc)
+    OPERATOR_LOGS.append(log)
     return proc
 
 

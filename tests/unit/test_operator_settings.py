@@ -1,0 +1,29 @@
+"""kopf's settings as the operator sets them at startup (modeld_operator.__main__.tune)."""
+
+from __future__ import annotations
+
+import kopf
+import pytest
+
+import modeld_api as api
+from modeld_operator.__main__ import tune
+from modeld_operator.settings import SETTINGS
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_deleted_object_waits_at_most_a_second_for_its_timers_to_stop():
+    """A finalizer goes once the object's timers stopped; one caught mid-call is polled again after
+    cancellation_polling (kopf's default: 60 s, so a Cell deleted while its status refresh ran took a minute more)."""
+    settings = kopf.OperatorSettings()
+    assert settings.background.cancellation_polling == 60       # the default this guards against
+    tune(settings)
+    assert settings.background.cancellation_polling <= 1.0
+
+
+def test_watches_are_bounded_and_state_is_kept_under_the_groups_names():
+    settings = kopf.OperatorSettings()
+    tune(settings)
+    assert settings.watching.server_timeout == SETTINGS.watch_server_timeout
+    assert settings.watching.client_timeout == SETTINGS.watch_client_timeout
+    assert settings.persistence.finalizer == api.FINALIZER
