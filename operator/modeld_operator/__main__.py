@@ -31,7 +31,10 @@ def tune(settings: kopf.OperatorSettings) -> None:
     settings.watching.connect_timeout = 10
     settings.persistence.finalizer = api.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    # Only spec changes run update handlers (field="spec"), so the stored essence leaves labels and annotations out:
+    # with them, the binding's own cell label changed the essence and kopf wrote it a second time per bind.
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, ignored_fields=["metadata.labels", "metadata.annotations"])
     settings.posting.level = logging.INFO
     settings.execution.max_workers = 8
     # A deleted object's finalizer goes only once its timers have stopped. A timer caught mid-call (a sync status

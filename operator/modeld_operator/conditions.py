@@ -46,3 +46,16 @@ def set_condition(
 
 def get_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
     return next((c for c in conditions or [] if c.get("type") == type_), None)
+
+
+def spec_errors(exc: Any) -> str:
+    """A pydantic ValidationError as the fields it names: ``spec.topology.gpus: Input should be ...; ...``."""
+    try:
+        errors = exc.errors()
+    except AttributeError:
+        return str(exc)
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(p) for p in e.get("loc") or ())
+        parts.append(f"spec.{loc}: {e.get('msg', '')}" if loc else str(e.get("msg", "")))
+    return "; ".join(parts) + ("; ..." if len(errors) > 5 else "")

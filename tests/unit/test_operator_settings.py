@@ -27,3 +27,15 @@ def test_watches_are_bounded_and_state_is_kept_under_the_groups_names():
     assert settings.watching.server_timeout == SETTINGS.watch_server_timeout
     assert settings.watching.client_timeout == SETTINGS.watch_client_timeout
     assert settings.persistence.finalizer == api.FINALIZER
+
+
+def test_the_stored_essence_is_the_spec_not_the_labels_a_bind_sets():
+    """Update handlers filter on spec; a label the operator writes must not make kopf store the essence again."""
+    settings = kopf.OperatorSettings()
+    tune(settings)
+    body = kopf.Body({"apiVersion": "modeld.contenox.io/v1alpha1", "kind": "Session",
+                      "metadata": {"name": "s", "labels": {api.LABEL_CELL: "c"}, "annotations": {"a": "b"}},
+                      "spec": {"modelFamily": "smollm2"}})
+    essence = settings.persistence.diffbase_storage.build(body=body)
+    assert essence["spec"] == {"modelFamily": "smollm2"}
+    assert "labels" not in (essence.get("metadata") or {}) and "annotations" not in (essence.get("metadata") or {})

@@ -283,8 +283,9 @@ def test_spec_roundtrip_is_stable():
 
 
 def test_node_index_keeps_what_placement_reads():
-    """The operator's node index (one watch instead of a list per Cell per tick) holds exactly what NodeView reads."""
-    from modeld_operator.handlers.cell import _nodes, node_index
+    """The operator's node index (one watch instead of a list per Cell per tick) holds exactly what NodeView reads,
+    all nodes under "all" and each under its name; a change placement reads counts, a heartbeat does not."""
+    from modeld_operator.handlers.cell import NODES, node_index
 
     node = {"metadata": {"name": "gpu-1", "labels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
                                                      "modeld.contenox.io/interconnect": "nvswitch"},
@@ -293,12 +294,17 @@ def test_node_index_keeps_what_placement_reads():
             "status": {"allocatable": {"nvidia.com/gpu": "8", "cpu": "96"},
                        "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "t"}],
                        "images": [{"names": ["a"]}]}}
+    before = NODES.version
     entry = node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"])
-    assert list(entry) == ["all"]
-    kept = entry["all"]
-    assert "annotations" not in kept["metadata"] and "images" not in kept["status"]     # nothing placement ignores
-    assert placement.NodeView.from_obj(kept) == placement.NodeView.from_obj(node)
-    assert _nodes({"all": [kept]}) == [kept]                                            # handlers read the index
+    assert list(entry) == ["all", ("node", "gpu-1")] and entry["all"] is entry[("node", "gpu-1")]
+    assert entry["all"] == placement.NodeView.from_obj(node)
+    assert NODES.version == before + 1
+    node["status"]["conditions"][0]["lastHeartbeatTime"] = "t2"                         # a heartbeat
+    node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"])
+    assert NODES.version == before + 1
+    node["metadata"]["labels"]["modeld.contenox.io/interconnect"] = "pcie"              # what placement reads
+    node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"])
+    assert NODES.version == before + 2
 
 
 # spec.sessionStore: where the worker commits sessions (docs/worker.md "Session store")

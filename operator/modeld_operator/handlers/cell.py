@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import kopf
@@ -11,18 +12,21 @@ from pydantic import ValidationError
 import modeld_api as api
 from modeld_api.served import unserved
 from modeld_operator import cellstatus, certification, kube, metrics, placement
-from modeld_operator.conditions import get_condition, set_condition
+from modeld_operator.conditions import get_condition, set_condition, spec_errors
 from modeld_operator.conditions import now as conditions_now
+from modeld_operator.handlers.indexes import BINDINGS, BoundSession, CellEntry, alive, store
+from modeld_operator.handlers.rejected import holds, surfaced
 from modeld_operator.settings import SETTINGS
 
 CELLS = (api.GROUP, api.VERSION, "cells")
+log = logging.getLogger("modeld_operator.cell")
 
 
 def parse_spec(spec: Any) -> api.CellSpec:
     try:
         return api.CellSpec.model_validate(dict(spec))
     except ValidationError as exc:
-        raise kopf.PermanentError(f"invalid Cell spec: {exc}") from exc
+        raise kopf.PermanentError(f"invalid Cell spec: {spec_errors(exc)}") from exc
 
 
 def _pod_endpoints(pod: dict[str, Any], port: int, copies: int = 1) -> tuple[list[api.Endpoint], str | None]:
@@ -66,25 +70,25 @@ def worker_refusal(code: int, body: Any) -> str | None:
 
 def certify(
     name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, endpoints: list[api.Endpoint],
-    labels_of: dict[str, dict[str, str]], old: dict[str, Any] | None,
+    idx: Indexes, old: dict[str, Any] | None,
 ) -> tuple[dict[str, Any] | None, certification.Verdict | None]:
-    """Read what certification.next_step needs, call it, act on its Step. Returns the status.certification to store
-    and the Certified condition (None: leave both as they are)."""
+    """Read what certification.next_step needs (from the indexes), call it, act on its Step. Returns the
+    status.certification to store and the Certified condition (None: leave both as they are)."""
     ready = [e for e in endpoints if e.ready and e.url]
     baseline = None
     if spec.baseline and ready:
-        bobj = kube.get_object("cells", namespace, spec.baseline)
-        bready = [e for e in ((bobj or {}).get("status") or {}).get("endpoints") or [] if e.get("ready") and e.get("url")]
+        found: list[CellEntry] = store(idx.cells, (namespace, spec.baseline))
+        bentry = found[0] if found else None
         baseline = certification.Baseline(
-            spec.baseline, missing=bobj is None,
-            spec=api.CellSpec.model_validate(bobj["spec"]) if bobj is not None else None,
-            url=bready[0]["url"] if bready else None)
+            spec.baseline, missing=bentry is None, spec=bentry.spec if bentry is not None else None,
+            url=bentry.ready_endpoints[0].url if bentry is not None and bentry.ready_endpoints else None)
+    node = store(idx.nodes, ("node", ready[0].node)) if ready and ready[0].node else []
     o = certification.Observed(
         name=name, namespace=namespace, spec=spec, ready_url=ready[0].url if ready else None,
-        node_labels=labels_of.get(ready[0].node or "", {}) if ready else {}, old=old,
+        node_labels=dict(node[0].labels) if node else {}, old=old,
         annotations=dict(body.get("metadata", {}).get("annotations") or {}), baseline=baseline, now=conditions_now())
     if (job := certification.jobs_to_read(o)) is not None:
-        o = dataclasses.replace(o, job_pods=kube.list_pods(namespace, f"job-name={job}"))
+        o = dataclasses.replace(o, job_pods=store(idx.pods, ("job", namespace, job)))
     step = certification.next_step(o)
     if step.job is not None:
         kopf.append_owner_reference(step.job, owner=body)
@@ -94,34 +98,72 @@ def certify(
     return step.cert, step.verdict
 
 
+class NodeVersions:
+    """Counts changes to what placement reads of the nodes, so a Cell's placement is recomputed only when a node it
+    could land on changed (kwok's and the kubelet's heartbeats change nothing placement reads): a status refresh then
+    costs the same with 5 nodes or 500."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._seen: dict[str, placement.NodeView] = {}
+
+    def saw(self, view: placement.NodeView) -> None:
+        if self._seen.get(view.name) != view:
+            self._seen[view.name] = view
+            self.version += 1
+
+
+NODES = NodeVersions()
+
+
 @kopf.index("", "v1", "nodes")
-def node_index(name: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[str, dict[str, Any]]:
-    """Every node, as placement reads it, kept current by one watch: status refreshes of many Cells cost no list
-    call against the apiserver. kopf fills the index before any Cell handler runs."""
-    return {"all": {
+def node_index(name: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[Any, placement.NodeView]:
+    """Every node, as placement reads it (all under "all", each under ("node", name)), kept current by one watch."""
+    view = placement.NodeView.from_obj({
         "metadata": {"name": name, "labels": dict(meta.get("labels") or {})},
         "spec": {"unschedulable": bool(spec.get("unschedulable"))},
         "status": {"allocatable": dict(status.get("allocatable") or {}),
                    "conditions": [{"type": c.get("type"), "status": c.get("status")}
                                   for c in status.get("conditions") or []]},
-    }}
+    })
+    NODES.saw(view)
+    return {"all": view, ("node", name): view}
 
 
-def _nodes(index: kopf.Index[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The indexed nodes (kopf passes the index to every handler as ``node_index``)."""
-    if index is None:
-        raise kopf.PermanentError("the node index was not passed to the handler (kopf registration broken)")
-    return list(index.get("all", []))
+@dataclasses.dataclass(frozen=True)
+class Indexes:
+    """The indexes a Cell handler reads (kopf passes each by its function's name)."""
+    nodes: kopf.Index[Any, placement.NodeView] | None
+    pods: kopf.Index[Any, dict[str, Any]] | None
+    cells: kopf.Index[Any, CellEntry] | None
+    sessions: kopf.Index[Any, Any] | None
+
+    @classmethod
+    def of(cls, kw: dict[str, Any]) -> Indexes:
+        return cls(kw.get("node_index"), kw.get("pod_index"), kw.get("cell_index"), kw.get("session_index"))
 
 
-def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec,
-                   node_objs: list[dict[str, Any]]) -> placement.Placement:
-    """Derive the Cell's status from nodes (the index), pods, workers and bound sessions; patch it if anything
-    changed."""
-    nodes = [placement.NodeView.from_obj(n) for n in node_objs]
-    labels_of = {n["metadata"]["name"]: dict(n["metadata"].get("labels") or {}) for n in node_objs}
+_PLANS: dict[tuple[str, str], tuple[tuple[int, int], str, placement.Placement]] = {}
+
+
+def planned(namespace: str, name: str, spec: api.CellSpec, idx: Indexes) -> placement.Placement:
+    """placement.place over the indexed nodes, recomputed only when the spec or a node changed."""
+    nodes: list[placement.NodeView] = store(idx.nodes, "all")
+    seen, key = (NODES.version, len(nodes)), spec.model_dump_json()
+    hit = _PLANS.get((namespace, name))
+    if hit is not None and hit[0] == seen and hit[1] == key:
+        return hit[2]
     plan = placement.place(spec, nodes)
-    pods = kube.list_pods(namespace, f"{api.LABEL_CELL}={name}")
+    _PLANS[(namespace, name)] = (seen, key, plan)
+    return plan
+
+
+def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, idx: Indexes) -> placement.Placement:
+    """Derive the Cell's status from nodes, pods and bound sessions (all from the indexes: no list call) and its
+    workers; patch it if anything changed. Sessions bound to a worker that is gone, not ready or replaced are sent
+    back to be rebound."""
+    plan = planned(namespace, name, spec, idx)
+    pods = store(idx.pods, ("cell", namespace, name))
     endpoints: list[api.Endpoint] = []
     unschedulable: list[str] = []
     for pod in pods:
@@ -129,19 +171,23 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         endpoints += eps
         if why:
             unschedulable.append(why)
+    bound = store(idx.sessions, (namespace, name))
+    release_lost(namespace, name, bound, endpoints)
     ready = cellstatus.ready_pods(endpoints)
-    sessions = len(kube.list_objects("sessions", namespace, f"{api.LABEL_CELL}={name}"))
+    sessions = len(bound)
     generation = body.get("metadata", {}).get("generation")
     old = dict(body.get("status") or {})
     d = cellstatus.derive(cellstatus.Observed(spec.replicas, plan.schedulable, plan.reason, endpoints, unschedulable,
                                               unserved(spec)))
     phase, sched, ready_cond = d.phase, d.scheduled, d.ready
+    if holds(old, generation):
+        phase = "Failed"             # its reconcile was refused (the Reconciled condition says what and why)
 
     conditions, changed_served = set_condition(old.get("conditions"), "Served", d.served[0], d.served[1],
                                                d.served[2], generation)
     conditions, changed_sched = set_condition(conditions, "Scheduled", sched[0], sched[1], sched[2], generation)
     conditions, changed_ready = set_condition(conditions, "Ready", ready_cond[0], ready_cond[1], ready_cond[2], generation)
-    cert, verdict = (certify(name, namespace, body, spec, endpoints, labels_of, old.get("certification"))
+    cert, verdict = (certify(name, namespace, body, spec, endpoints, idx, old.get("certification"))
                      if d.served[0] else (old.get("certification"), None))
     changed_cert = False
     if not d.served[0]:
@@ -181,21 +227,21 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
 @kopf.on.resume(*CELLS)
 @kopf.on.create(*CELLS)
 @kopf.on.update(*CELLS, field="spec")
-def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, logger: Any,
-              node_index: kopf.Index[str, dict[str, Any]] | None = None, **_: Any) -> None:
+@surfaced("cells")
+def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, logger: Any, **kw: Any) -> None:
     namespace = kube.namespaced(namespace)
-    cell = parse_spec(spec)
+    cell, idx = parse_spec(spec), Indexes.of(kw)
     if refused := unserved(cell):
         # nothing would serve it: no pods (none hold GPUs or crash-loop); status says which field and why
         kube.delete_deployment(namespace, placement.deployment_name(name))
-        refresh_status(name, namespace, body, cell, _nodes(node_index))
+        refresh_status(name, namespace, body, cell, idx)
         metrics.RECONCILES.labels("cell", "refused").inc()
         logger.info("cell %s refused: %s", name, "; ".join(u.message() for u in refused))
         return
     manifest = placement.deployment(name, namespace, cell)
     kopf.append_owner_reference(manifest, owner=body)
     kube.apply_deployment(manifest)
-    plan = refresh_status(name, namespace, body, cell, _nodes(node_index))
+    plan = refresh_status(name, namespace, body, cell, idx)
     metrics.RECONCILES.labels("cell", "ok" if plan.schedulable else "waiting").inc()
     if not plan.schedulable and cell.replicas:
         # Nodes may still join: wait for capacity instead of failing, and never crash-loop.
@@ -204,25 +250,44 @@ def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec
 
 
 @kopf.timer(*CELLS, interval=SETTINGS.status_interval, initial_delay=1.0)
-def watch_status(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec,
-                 node_index: kopf.Index[str, dict[str, Any]] | None = None, **_: Any) -> None:
+@surfaced("cells", clears=False)
+def watch_status(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **kw: Any) -> None:
     namespace = kube.namespaced(namespace)
-    refresh_status(name, namespace, body, parse_spec(spec), _nodes(node_index))
+    refresh_status(name, namespace, body, parse_spec(spec), Indexes.of(kw))
 
 
-@kopf.on.delete(*CELLS)
-def release_sessions(name: str, namespace: str | None, logger: Any, **_: Any) -> None:
+def release_lost(namespace: str, cell: str, bound: list[BoundSession], endpoints: list[api.Endpoint]) -> None:
+    """Send the sessions bound to a worker that is gone, not ready or replaced back to be rebound (their own timer
+    runs while they are not Bound); the worker instance they knew stays, so the rebind can tell a replaced process
+    and ask it for the session."""
+    for s in bound:
+        if not alive(s, endpoints):
+            send_back(namespace, s.name, "WorkerLost",
+                      f"its worker at {s.endpoint} is gone, not ready or was replaced; rebinding")
+
+
+def send_back(namespace: str, session: str, reason: str, message: str) -> None:
+    obj = kube.get_object("sessions", namespace, session)
+    if obj is None:
+        return
+    BINDINGS.forget(namespace, session)
+    kube.patch_labels("sessions", namespace, session, {api.LABEL_CELL: None})
+    old = obj.get("status") or {}
+    conditions, _changed = set_condition(old.get("conditions"), "Bound", False, reason, message,
+                                         obj["metadata"].get("generation"))
+    kube.patch_status("sessions", namespace, session, {"phase": "Pending", "cell": None, "endpoint": None, "pod": None,
+                                                       "reason": message, "conditions": conditions})
+    log.info("session %s/%s: %s", namespace, session, message)
+
+
+@kopf.on.delete(*CELLS, backoff=5)
+def release_sessions(name: str, namespace: str | None, **kw: Any) -> None:
     """The Deployment goes with its owner; sessions bound here go back to Pending and get rebound."""
     namespace = kube.namespaced(namespace)
-    for sess in kube.list_objects("sessions", namespace, f"{api.LABEL_CELL}={name}"):
-        sname = sess["metadata"]["name"]
-        kube.patch_labels("sessions", namespace, sname, {api.LABEL_CELL: None})
-        old = sess.get("status") or {}
-        conditions, _changed = set_condition(
-            old.get("conditions"), "Bound", False, "CellDeleted", f"cell {name} was deleted", sess["metadata"].get("generation")
-        )
-        kube.patch_status(
-            "sessions", namespace, sname,
-            {"phase": "Pending", "cell": None, "endpoint": None, "pod": None, "reason": f"cell {name} was deleted", "conditions": conditions},
-        )
-        logger.info("session %s released from deleted cell %s", sname, name)
+    _PLANS.pop((namespace, name), None)
+    # the index, and the label (one list per deleted Cell): a session whose bind landed as the Cell went may be in
+    # only one of them yet, and no timer would ever check a binding to a Cell that is gone
+    names = {s.name for s in store(Indexes.of(kw).sessions, (namespace, name))}
+    names |= {o["metadata"]["name"] for o in kube.list_objects("sessions", namespace, f"{api.LABEL_CELL}={name}")}
+    for session in sorted(names):
+        send_back(namespace, session, "CellDeleted", f"cell {name} was deleted")

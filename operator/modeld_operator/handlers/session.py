@@ -11,7 +11,9 @@ from pydantic import ValidationError
 
 import modeld_api as api
 from modeld_operator import kube, metrics, placement
-from modeld_operator.conditions import now, set_condition
+from modeld_operator.conditions import now, set_condition, spec_errors
+from modeld_operator.handlers.indexes import BINDINGS, BoundSession, CellEntry, alive, store
+from modeld_operator.handlers.rejected import Reported, surfaced
 from modeld_operator.settings import SETTINGS
 
 SESSIONS = (api.GROUP, api.VERSION, "sessions")
@@ -33,35 +35,25 @@ def covering(summary: dict[str, Any], required: int) -> tuple[int | None, float 
     return None, None, None
 
 
-def _cell_views(namespace: str, required: int) -> list[placement.CellView]:
-    counts: dict[str, int] = {}
-    for sess in kube.list_objects("sessions", namespace):
-        cell = (sess["metadata"].get("labels") or {}).get(api.LABEL_CELL)
-        if cell:
-            counts[cell] = counts.get(cell, 0) + 1
+def _cell_views(namespace: str, required: int, cells: kopf.Index[Any, CellEntry] | None,
+                sessions: kopf.Index[Any, Any] | None) -> list[placement.CellView]:
+    """The namespace's Cells as binding weighs them, from the indexes (no list call per bind)."""
     views = []
-    for obj in kube.list_objects("cells", namespace):
-        try:
-            spec = api.CellSpec.model_validate(obj.get("spec") or {})
-        except ValidationError:
+    for entry in store(cells, namespace):
+        if entry.spec is None:
             continue  # the cell's own handler reports it
-        status = obj.get("status") or {}
-        # True / False as the Certified condition says; None while it is Unknown (being measured) or absent
-        certified = next(({"True": True, "False": False}.get(c.get("status") or "")
-                          for c in status.get("conditions") or [] if c.get("type") == "Certified"), None)
-        summary = (status.get("certification") or {}).get("summary") or {}
-        tier, fo, dec = covering(summary, required)
+        tier, fo, dec = covering(entry.summary, required)
         views.append(
             placement.CellView(
-                name=obj["metadata"]["name"],
-                spec=spec,
-                ready_endpoints=[api.Endpoint.model_validate(e) for e in status.get("endpoints") or [] if e.get("ready") and e.get("url")],
-                sessions=counts.get(obj["metadata"]["name"], 0),
-                certified=certified,
+                name=entry.name,
+                spec=entry.spec,
+                ready_endpoints=list(entry.ready_endpoints),
+                sessions=len(store(sessions, (namespace, entry.name))),
+                certified=entry.certified,
                 first_output_p90_ms=fo,
                 decode_p90_ms=dec,
                 covering_tier=tier,
-                gate=(status.get("certification") or {}).get("gate"),
+                gate=entry.gate,
             )
         )
     return views
@@ -96,23 +88,32 @@ def continuity(url: str, session_id: str) -> tuple[bool | None, str, str]:
     return None, "Unknown", f"the worker process was replaced; asking it for the session gave HTTP {code or 'no answer'}"
 
 
-def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> None:
+def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec, kw: dict[str, Any]) -> None:
+    """Bind to the best fitting cell; when none fits, say why on the status (written only when it changed) and
+    return: the session's timer retries while it is not Bound. Raises PermanentError when no change in the cluster
+    can make it fit."""
     status = dict(body.get("status") or {})
     generation = body["metadata"].get("generation")
-    fit = placement.choose_cell(spec, _cell_views(namespace, spec.requiredContext), SETTINGS.require_certified)
+    views = _cell_views(namespace, spec.requiredContext, kw.get("cell_index"), kw.get("session_index"))
+    fit = placement.choose_cell(spec, views, SETTINGS.require_certified)
     candidates = [api.Candidate(cell=c, chosen=chosen, reason=why[:400]).model_dump(mode="json")
                   for c, chosen, why in fit.considered[:32]]
     if fit.cell is None or fit.endpoint is None:
         conditions, changed = set_condition(status.get("conditions"), "Bound", False, "NoFittingCell", fit.reason, generation)
-        kube.patch_status("sessions", namespace, name, {"phase": "Pending", "reason": fit.reason, "observedGeneration": generation,
-                                                        "conditions": conditions, "candidates": candidates})
+        pending = {"phase": "Pending", "reason": fit.reason, "observedGeneration": generation,
+                   "conditions": conditions, "candidates": candidates}
+        if pending != {k: status.get(k) for k in pending}:
+            kw["patch"]["status"] = pending
         if changed:
             kopf.event(body, type="Warning", reason="NoFittingCell", message=fit.reason)
         metrics.RECONCILES.labels("session", "waiting").inc()
         if fit.permanent:
-            raise kopf.PermanentError(fit.reason)
-        raise kopf.TemporaryError(fit.reason, delay=SETTINGS.retry_delay)
-    kube.patch_labels("sessions", namespace, name, {api.LABEL_CELL: fit.cell.name})
+            raise Reported(fit.reason)
+        return
+    # Label and status go out with kopf's own annotations when the handler returns: one write of the object and one
+    # of its status. Written here instead, the status's watch event reached kopf before its annotations, and kopf
+    # ran the create handler again on it (and wrote its annotations twice).
+    kw["patch"].setdefault("metadata", {}).setdefault("labels", {})[api.LABEL_CELL] = fit.cell.name
     conditions, _ = set_condition(status.get("conditions"), "Bound", True, "Bound", fit.reason, generation)
     sid, prev, instance = worker_session_id(namespace, name), status.get("workerInstance"), fit.endpoint.instance
     continued = None
@@ -121,10 +122,7 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
         conditions, _ = set_condition(conditions, "Continuity", continued[0], continued[1], continued[2], generation)
         if continued[0] is None:
             instance = prev                           # not answered: asked again at the next check
-    kube.patch_status(
-        "sessions",
-        namespace,
-        name,
+    kw["patch"]["status"] = (
         {
             "phase": "Bound",
             "cell": fit.cell.name,
@@ -137,8 +135,9 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
             "candidates": candidates,
             "observedGeneration": generation,
             "conditions": conditions,
-        },
+        }
     )
+    BINDINGS.made(namespace, name, fit.endpoint.url or "")
     kopf.event(body, type="Normal", reason="Bound", message=f"{fit.reason} at {fit.endpoint.url}")
     if continued is not None and continued[0] is not None:
         kopf.event(body, type="Normal" if continued[0] else "Warning", reason=f"Session{continued[1]}",
@@ -148,56 +147,63 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec) -> 
     metrics.RECONCILES.labels("session", "bound").inc()
 
 
-def _binding_alive(namespace: str, status: dict[str, Any]) -> bool:
+def _binding_alive(namespace: str, status: dict[str, Any], cells: kopf.Index[Any, CellEntry] | None) -> bool:
     """The bound endpoint is ready and still the same worker process (a new /readyz instance: it was replaced)."""
-    cell = kube.get_object("cells", namespace, status.get("cell") or "")
-    if cell is None:
+    found: list[CellEntry] = store(cells, (namespace, status.get("cell") or ""))
+    if not found:
         return False
-    endpoints = (cell.get("status") or {}).get("endpoints") or []
-    known = status.get("workerInstance")
-    return any(e.get("url") == status.get("endpoint") and e.get("ready")
-               and not (known and e.get("instance") and e["instance"] != known) for e in endpoints)
+    bound = BoundSession("", status.get("endpoint"), status.get("workerInstance"))
+    return alive(bound, list(found[0].ready_endpoints))
 
 
 def parse_spec(spec: Any) -> api.SessionSpec:
     try:
         return api.SessionSpec.model_validate(dict(spec))
     except ValidationError as exc:
-        raise kopf.PermanentError(f"invalid Session spec: {exc}") from exc
+        raise kopf.PermanentError(f"invalid Session spec: {spec_errors(exc)}") from exc
 
 
 @kopf.on.resume(*SESSIONS)
 @kopf.on.create(*SESSIONS)
 @kopf.on.update(*SESSIONS, field="spec")
-def bind(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **_: Any) -> None:
-    namespace = kube.namespaced(namespace)
-    status = body.get("status") or {}
-    if status.get("phase") == "Bound" and _binding_alive(namespace, status):
-        return
-    _bind(name, namespace, body, parse_spec(spec))
+@surfaced("sessions")
+def bind(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **kw: Any) -> None:
+    _bind_unless_bound(name, kube.namespaced(namespace), body, spec, kw)
 
 
-@kopf.timer(*SESSIONS, interval=SETTINGS.status_interval, initial_delay=2.0)
-def keep_bound(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, logger: Any, **_: Any) -> None:
-    """A bound session whose worker went away is rebound; a pending one is retried."""
-    namespace = kube.namespaced(namespace)
-    status = body.get("status") or {}
-    if status.get("phase") == "Bound":
-        if _binding_alive(namespace, status):
+def _bind_unless_bound(name: str, namespace: str, body: kopf.Body, spec: kopf.Spec, kw: dict[str, Any]) -> None:
+    """Bind, unless the session is bound and alive, or this process bound it after ``body`` was read (the create
+    handler and the retry timer run apart; each may hold a body older than the other's bind)."""
+    status = dict(body.get("status") or {})
+    with BINDINGS.lock(namespace, name):
+        if BINDINGS.ahead_of(namespace, name, status):
             return
-        logger.warning("session %s lost its worker at %s (gone, not ready or replaced); rebinding", name,
-                       status.get("endpoint"))
-        kube.patch_labels("sessions", namespace, name, {api.LABEL_CELL: None})
+        if status.get("phase") == "Bound" and _binding_alive(namespace, status, kw.get("cell_index")):
+            return
+        _bind(name, namespace, body, parse_spec(spec), kw)
+
+
+def _unbound(status: kopf.Status, **_: Any) -> bool:
+    return dict(status or {}).get("phase") != "Bound"
+
+
+@kopf.timer(*SESSIONS, interval=SETTINGS.status_interval, initial_delay=2.0, when=_unbound)
+@surfaced("sessions", clears=False)
+def keep_bound(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **kw: Any) -> None:
+    """A session that is not Bound is retried (one with no fitting cell yet, or one whose Cell's status refresh sent
+    it back because its worker went away). A Bound one has no timer: at cluster scale a timer per bound Session
+    costs the operator more than all the binding (docs/operator.md, "Scale"); its Cell checks its bindings."""
     try:
-        _bind(name, namespace, body, parse_spec(spec))
-    except (kopf.TemporaryError, kopf.PermanentError):
+        _bind_unless_bound(name, kube.namespaced(namespace), body, spec, kw)
+    except Reported:
         pass  # status already says why; the timer comes back
 
 
-@kopf.on.delete(*SESSIONS)
+@kopf.on.delete(*SESSIONS, backoff=5)
 def unbind(name: str, namespace: str | None, body: kopf.Body, logger: Any, **_: Any) -> None:
     """Free the session's KV on its worker; best effort, since the worker may be gone already."""
     namespace = kube.namespaced(namespace)
+    BINDINGS.forget(namespace, name, deleted=True)
     status = body.get("status") or {}
     endpoint, session_id = status.get("endpoint"), status.get("sessionId")
     if endpoint and session_id:

