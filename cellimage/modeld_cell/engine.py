@@ -223,10 +223,10 @@ class Engine:
 
     def scoped_session(self, session_id: str, cache_salt: str | None) -> Session | None:
         """The live session, checked against ``cache_salt``: a session keeps the scope it was created in
-        (BadRequest, field cache_salt, when a request names another); None when there is none."""
+        (Conflict, field cache_salt, when a request names another); None when there is none."""
         s = self._sessions.get(session_id)
         if s is not None and cache_salt is not None and self.scope_root(cache_salt) != s.root:
-            raise self._err(errors.BadRequest(
+            raise self._err(errors.Conflict(
                 f"session {session_id!r} was created under another cache_salt; a session keeps its cache scope "
                 "(close it, or use another session id)", field="cache_salt", session_id=session_id))
         return s
@@ -363,8 +363,9 @@ class Engine:
         if s.busy is not None:
             self._claim(s, "decode")
         if not s.tokens:
-            raise self._err(errors.BadRequest(f"session {session_id!r} holds no tokens to continue from",
-                                              session_id=session_id))
+            # the session's state, not the request, is what refuses it (an EnsurePrefix of no tokens emptied it)
+            raise self._err(errors.Conflict(f"session {session_id!r} holds no tokens to continue from",
+                                            session_id=session_id))
         granted, clamped = grant(self, s, max_tokens)   # clamped to the context tier, then the KV budget
         self._claim(s, "decode")
         self._counters["requests_total"] += 1

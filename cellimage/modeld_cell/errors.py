@@ -7,7 +7,9 @@ code raises before it mutates, or rolls back first.
     kind        HTTP  meaning
     bad_request 400   malformed JSON, invalid token ids, absurd sampling parameters
     not_found   404   unknown session or snapshot
-    conflict    409   a request is already running on that session (requests on one session are serialized)
+    conflict    409   the session's state refuses a valid request now: one is already running on it (requests on
+                      one session are serialized), it was created under another cache_salt, it holds no tokens to
+                      decode from, or a snapshot path collides with what the snapshot directory holds
     overflow    413   context or memory exceeded; refused, session state untouched
     clamp       200*  not raised: a request was cut to fit (e.g. max_tokens); reported in the trace's ``clamped``
     fallback    200*  not raised: a requested mode ran on a slower path; reported in the trace's ``fallback``

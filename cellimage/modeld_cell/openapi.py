@@ -2,11 +2,14 @@
 
 The request/response models in ``schemas.py`` are the single source; ``openapi.json`` beside this file is generated
 (``python -m modeld_cell.openapi --write``) and a test fails when the committed copy drifts. Nobody edits it by hand.
+The committed document names the bounds that depend on the model (``x-maximum``); the one a worker serves at
+/openapi.json states them as numbers for its model (``build(vocab_size=...)``, ``for_model``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from dataclasses import dataclass
@@ -79,7 +82,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 _KIND_TEXT = {
     "bad_request": "malformed JSON, wrong type, unknown field, out-of-range value or token id",
     "not_found": "unknown session or snapshot",
-    "conflict": "a request is already running on this session",
+    "conflict": "the session's state refuses it now: a request is already running on it, it was created under "
+                "another cache_salt, it holds no tokens to decode from, or the snapshot path is in the way of (or "
+                "blocked by) a file or folder there",
     "overflow": "context tier or KV memory exceeded; state untouched",
     "timeout": "deadline exceeded; partial output in details",
     "unsupported": "this cell cannot do it",
@@ -91,8 +96,13 @@ _KIND_TEXT = {
 _SSE_TEXT = (
     "Server-sent events, in order: any number of `event: token` (data: TokenEvent), then exactly one of "
     "`event: done` (data: DoneEvent) or `event: error` (data: ErrorResponse, e.g. a timeout with the partial output "
-    "in details). Closing the connection stops generation; the session keeps the tokens generated so far."
+    "in details). Closing the connection stops generation; the session keeps the tokens generated so far. The schema "
+    "describes one event: its name and its data, a JSON text (contentSchema)."
 )
+_SSE_EVENTS: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("token", s.TokenEvent), ("done", s.DoneEvent), ("error", s.ErrorResponse))
+# x-maximum (schemas.BELOW_VOCAB, UP_TO_VOCAB) -> its offset from the model's vocabulary size
+_VOCAB_OFFSET = {s.BELOW_VOCAB["x-maximum"]: -1, s.UP_TO_VOCAB["x-maximum"]: 0}
 
 _MODELS: tuple[type[BaseModel], ...] = (
     s.PrefixRequest, s.SuffixRequest, s.DecodeRequest, s.SnapshotRequest, s.RestoreRequest, s.TokenizeRequest,
@@ -113,7 +123,8 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
         params.append({
             "name": "session_id", "in": "path", "required": True,
             "description": "Session id, chosen by the client.",
-            "schema": {"type": "string", "pattern": s.SESSION_ID_PATTERN},
+            "schema": {"type": "string", "minLength": 1, "maxLength": s.SESSION_ID_MAX,
+                       "pattern": s.SESSION_ID_PATTERN},
         })
     if ep.request is not None and "timeout_s" in ep.request.model_fields:
         params.append({
@@ -134,10 +145,12 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
     else:
         ok = {ep.content: {"schema": {"type": "string"}}}
     if ep.stream:
-        ok["text/event-stream"] = {
-            "schema": {"type": "string", "description": _SSE_TEXT},
-            "x-events": {"token": _ref(s.TokenEvent), "done": _ref(s.DoneEvent), "error": _ref(s.ErrorResponse)},
-        }
+        ok["text/event-stream"] = {"schema": {
+            "description": _SSE_TEXT, "type": "object", "required": ["event", "data"],
+            "properties": {"event": {"enum": [name for name, _ in _SSE_EVENTS]}, "data": {"type": "string"}},
+            "oneOf": [{"properties": {"event": {"const": name}, "data": {
+                "contentMediaType": "application/json", "contentSchema": _ref(model)}}} for name, model in _SSE_EVENTS],
+        }}
     responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
     by_status: dict[int, list[str]] = {}
     for kind in ep.errors:
@@ -151,12 +164,13 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
     return op
 
 
-def build() -> dict[str, Any]:
+def build(vocab_size: int | None = None) -> dict[str, Any]:
+    """The document; with ``vocab_size``, for that model (``for_model``)."""
     _, defs = models_json_schema([(m, "validation") for m in _MODELS], ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for ep in ENDPOINTS:
         paths.setdefault(ep.path, {})[ep.method.lower()] = _operation(ep)
-    return {
+    doc = {
         "openapi": "3.1.0",
         "info": {
             "title": "modeld cell worker",
@@ -168,10 +182,27 @@ def build() -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": defs.get("$defs", {})},
     }
+    return doc if vocab_size is None else for_model(doc, vocab_size)
 
 
-def render() -> str:
-    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+def for_model(doc: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """A copy of ``doc`` (the committed document, or ``build()``) whose model-dependent bounds are numbers: every
+    schema marked ``x-maximum`` gets the ``maximum`` it names for a model of ``vocab_size`` token ids."""
+    out = copy.deepcopy(doc)
+    todo: list[Any] = [out]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if "x-maximum" in node:
+                node["maximum"] = vocab_size + _VOCAB_OFFSET[node["x-maximum"]]
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return out
+
+
+def render(vocab_size: int | None = None) -> str:
+    return json.dumps(build(vocab_size), indent=2, sort_keys=True) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

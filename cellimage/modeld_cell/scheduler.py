@@ -54,7 +54,10 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator |
     """logits: [V] fp32. Greedy when temperature == 0, else temperature -> top-k -> top-p -> multinomial."""
     if p.temperature == 0.0:
         return int(torch.argmax(logits))
-    x = logits / p.temperature
+    # Any temperature in (0, 10] is valid. Shifted so the largest logit is 0 (softmax does not change) and divided by
+    # at least the dtype's smallest normal (1.8e-280 is 0 in fp32), a tiny one sends the others to -inf: greedy in
+    # effect. Before, logits / 1.8e-280 overflowed to inf, softmax gave NaN and multinomial raised (the fuzz test).
+    x = (logits - logits.max()) / max(p.temperature, torch.finfo(logits.dtype).tiny)
     if 0 < p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -1,26 +1,62 @@
 """Request and response bodies of the worker's HTTP API: the single source of the OpenAPI document.
 
 Request models are strict (a string is not a number, ``true`` is not ``1``), forbid unknown fields and reject NaN and
-infinities, so a typo or a wrong type is a 400 naming the field instead of a silently ignored value. Bounds that depend
-on the loaded model (token ids below the vocabulary size, prompts within the context tier) are checked by the server
-and the engine at run time; the static bounds here only stop absurd values early.
+infinities, so a typo or a wrong type is a 400 naming the field instead of a silently ignored value. JSON text is read
+as JSON Schema reads it (``loads``): ``2.0`` and ``2e3`` are integers. Every rule a model checks by hand has its form
+in the document beside it (``json_schema_extra``), so a request the document allows is one the models accept.
+
+Bounds that depend on the loaded model are marked ``x-maximum`` (token ids below the vocabulary size, top_k at most
+it): the server checks them against the engine, and the document a worker serves states them as numbers
+(``openapi.build(vocab_size=...)``). Prompts within the context tier and the KV budget are runtime outcomes
+(``overflow``); the static bounds here only stop absurd values early.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from decimal import Decimal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.config import JsonDict
+from pydantic.config import JsonDict, JsonValue
 
 from .errors import HTTP_STATUS
 
+# ECMA-262 semantics, as JSON Schema reads a pattern: the server matches it with re.fullmatch (``$`` in Python's re
+# also matches before a trailing newline).
 SESSION_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SESSION_ID_MAX = 128
+# A snapshot path: relative, "/"-separated names that start with a letter, digit or "_" (so no "." or ".." segment, no
+# leading "/"), each at most 128 characters (file systems allow 255 bytes), at most 1024 in all.
+_PATH_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+SNAPSHOT_PATH_PATTERN = rf"^{_PATH_NAME}(/{_PATH_NAME})*$"
 # The largest context tier a Cell may declare (operator api.CellSpec.contextTier); more tokens is never a prompt.
 MAX_TOKENS_PER_REQUEST = 1_048_576
 MAX_TIMEOUT_S = 86_400.0
+# Model-dependent maxima (module docstring): openapi.build(vocab_size=...) turns each into "maximum".
+BELOW_VOCAB: JsonDict = {"x-maximum": "vocab_size - 1"}
+UP_TO_VOCAB: JsonDict = {"x-maximum": "vocab_size"}
+_INTEGRAL_MAX = 1e30  # larger integral numbers stay floats: beyond every integer field's maximum, and no huge int()
 
-TokenId = Annotated[int, Field(ge=0, description="Token id; must be below the model's vocabulary size.")]
+
+def loads(raw: bytes | str) -> Any:
+    """JSON text to Python, numbers as JSON Schema reads them: one with an integral value is an int (``2.0``, ``2e3``),
+    exactly (``9223372036854775807.0`` stays that integer, ``1.0000000000000000001`` stays a float). Raises what
+    ``json.loads`` raises."""
+    return json.loads(raw, parse_float=_number)
+
+
+def _number(text: str) -> int | float:
+    x = float(text)
+    if x.is_integer() and abs(x) <= _INTEGRAL_MAX:
+        d = Decimal(text)
+        if d == d.to_integral_value():
+            return int(d)
+    return x
+
+
+TokenId = Annotated[int, Field(ge=0, description="Token id; must be below the model's vocabulary size.",
+                               json_schema_extra=BELOW_VOCAB)]
 TokenList = Annotated[list[TokenId], Field(max_length=MAX_TOKENS_PER_REQUEST)]
 TimeoutS = Annotated[
     float | None,
@@ -47,11 +83,29 @@ class Message(_Request):
     content: str = Field(max_length=16 * 1024 * 1024, description="Message text.")
 
 
-_ONE_INPUT: JsonDict = {"oneOf": [{"required": ["tokens"]}, {"required": ["text"]}, {"required": ["messages"]}]}
+# The JSON type of each prompt input when it is given (not null).
+_INPUT_TYPES = {"tokens": "array", "text": "string", "messages": "array"}
 
 
-class _PromptInput(_Request):
-    tokens: TokenList | None = Field(default=None, description="Token ids, used as given.")
+def _exactly_one(*inputs: str) -> JsonDict:
+    """The document's form of ``_exactly_one_input``: one branch per input, which is given and not null while the
+    others are absent or null (null is absent); add_generation_prompt is absent or null unless the input is messages."""
+    branches: list[JsonValue] = []
+    for name in inputs:
+        props: JsonDict = {other: {"type": "null"} for other in inputs if other != name}
+        props[name] = {"type": _INPUT_TYPES[name]}
+        if name != "messages":
+            props["add_generation_prompt"] = {"type": "null"}
+        branches.append({"required": [name], "properties": props})
+    return {"oneOf": branches}
+
+
+class _TextInput(_Request):
+    """A prompt as text or chat messages (exactly one); ``_PromptInput`` adds token ids."""
+
+    INPUTS: ClassVar[tuple[str, ...]] = ("text", "messages")
+    model_config = ConfigDict(json_schema_extra=_exactly_one(*INPUTS))
+
     text: str | None = Field(default=None, max_length=16 * 1024 * 1024, description="Text, tokenized without a template.")
     messages: list[Message] | None = Field(
         default=None, min_length=1, max_length=4096, description="Chat messages, rendered with the model's chat template."
@@ -63,13 +117,21 @@ class _PromptInput(_Request):
     )
 
     @model_validator(mode="after")
-    def _exactly_one_input(self) -> _PromptInput:
-        given = [k for k in ("tokens", "text", "messages") if getattr(self, k) is not None]
+    def _exactly_one_input(self) -> _TextInput:
+        given = [k for k in self.INPUTS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of tokens, text or messages (got {', '.join(given) or 'none'})")
+            options = f"{', '.join(self.INPUTS[:-1])} or {self.INPUTS[-1]}"
+            raise ValueError(f"give exactly one of {options} (got {', '.join(given) or 'none'})")
         if self.add_generation_prompt is not None and self.messages is None:
             raise ValueError("add_generation_prompt applies only to messages")
         return self
+
+
+class _PromptInput(_TextInput):
+    INPUTS: ClassVar[tuple[str, ...]] = ("tokens", "text", "messages")
+    model_config = ConfigDict(json_schema_extra=_exactly_one(*INPUTS))
+
+    tokens: TokenList | None = Field(default=None, description="Token ids, used as given.")
 
 
 CacheSalt = Annotated[str | None, Field(
@@ -77,14 +139,13 @@ CacheSalt = Annotated[str | None, Field(
     description="The cache scope of a new session (vLLM's cache_salt): its prompt blocks are shared only with sessions "
     "created with the same salt, and its trace reports reuse only of what that scope holds. Without one, the "
     "session is in the cell's one unsalted scope. Keep it secret per tenant. A session keeps the scope it was "
-    "created in: naming another later is refused (field cache_salt).")]
+    "created in: naming another later is refused (409 conflict, field cache_salt).")]
 
 
 class PrefixRequest(_PromptInput):
     """EnsurePrefix: afterwards the session's KV holds exactly this prompt. Creates the session if absent; keeps the
     longest common prefix with what it holds, drops the rest and computes only the remainder."""
 
-    model_config = ConfigDict(json_schema_extra=_ONE_INPUT)
     timeout_s: TimeoutS = None
     cache_salt: CacheSalt = None
 
@@ -93,7 +154,6 @@ class SuffixRequest(_PromptInput):
     """PrefillSuffix: appends to the session's KV. With messages, renders them as a continuation of the
     conversation (no second system prompt)."""
 
-    model_config = ConfigDict(json_schema_extra=_ONE_INPUT)
     timeout_s: TimeoutS = None
 
 
@@ -108,7 +168,8 @@ class DecodeRequest(_Request):
     )
     temperature: float = Field(default=0.0, ge=0.0, le=10.0, description="0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, (0, 1].")
-    top_k: int = Field(default=0, ge=0, description="0 is off; at most the vocabulary size.")
+    top_k: int = Field(default=0, ge=0, description="0 is off; at most the vocabulary size.",
+                       json_schema_extra=UP_TO_VOCAB)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Sampling seed; same seed, same output.")
     stop: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list, max_length=16, description="Stop strings; the output ends before the first one."
@@ -124,8 +185,11 @@ class SnapshotRequest(_Request):
     path: str = Field(
         min_length=1,
         max_length=1024,
-        description="Snapshot file, relative to the worker's snapshot directory (<MODELD_CACHE_DIR>/snapshots); a path "
-        "that leaves that directory is refused.",
+        pattern=SNAPSHOT_PATH_PATTERN,
+        description="Snapshot file, relative to the worker's snapshot directory (<MODELD_CACHE_DIR>/snapshots): "
+        "\"/\"-separated names of letters, digits, \".\", \"_\" and \"-\", each starting with a letter, digit or \"_\" (so "
+        "it never leaves that directory). A name that is a file where a folder is needed, or a folder where the file "
+        "goes, is a conflict.",
     )
 
 
@@ -136,14 +200,8 @@ class RestoreRequest(SnapshotRequest):
     cache_salt: CacheSalt = None
 
 
-class TokenizeRequest(_PromptInput):
-    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["messages"]}]})
-
-    @model_validator(mode="after")
-    def _no_tokens(self) -> TokenizeRequest:
-        if self.tokens is not None:
-            raise ValueError("tokenize takes text or messages, not tokens")
-        return self
+class TokenizeRequest(_TextInput):
+    """Text or chat messages to token ids (token ids are not an input here)."""
 
 
 class DetokenizeRequest(_Request):

@@ -103,7 +103,7 @@ class Worker:
         raw = await request.read()
         if raw.strip():
             try:
-                obj = json.loads(raw)
+                obj = s.loads(raw)
             except UnicodeDecodeError:
                 raise BadRequest("the body is not UTF-8 text", field="body") from None
             except json.JSONDecodeError as e:
@@ -120,7 +120,7 @@ class Worker:
     @staticmethod
     def _session_id(request: web.Request) -> str:
         sid = request.match_info["session_id"]
-        if not SESSION_ID.match(sid):
+        if not SESSION_ID.fullmatch(sid):
             raise BadRequest(f"session id {sid[:140]!r} must match {s.SESSION_ID_PATTERN}", field="session_id")
         request[LOG]["session"] = sid
         return sid
@@ -150,11 +150,12 @@ class Worker:
                 raise BadRequest(f"{field}[{i}] = {t} is not a token id of this model (0..{vocab - 1})",
                                  field=f"{field}[{i}]", vocab_size=vocab)
 
-    async def _prompt(self, body: s._PromptInput, *, continuation: bool, add_generation_prompt: bool) -> list[int]:
+    async def _prompt(self, body: s._TextInput, *, continuation: bool, add_generation_prompt: bool) -> list[int]:
         tok = self._ready_engine().tokenizer
-        if body.tokens is not None:
-            self._check_ids(body.tokens, "tokens")
-            return list(body.tokens)
+        ids_given = getattr(body, "tokens", None)       # _PromptInput's; tokenize takes text or messages only
+        if ids_given is not None:
+            self._check_ids(ids_given, "tokens")
+            return list(ids_given)
         if body.text is not None:
             text = body.text
         else:
@@ -336,7 +337,6 @@ class Worker:
         engine = self._ready_engine()
         path = self._snapshot_path(body.path)
         await self._recover(request, engine, sid)
-        await asyncio.to_thread(Path(path).parent.mkdir, parents=True, exist_ok=True)
         t = time.monotonic()
         info = await engine.snapshot(sid, path)
         self.metrics.snapshot_seconds.labels(self.metrics.model_name).observe(time.monotonic() - t)
@@ -422,7 +422,9 @@ class Worker:
         return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def openapi_route(self, request: web.Request) -> web.Response:
-        return web.Response(text=openapi.render(), content_type="application/json")
+        # With a model loaded, its bounds are numbers (token ids below its vocabulary size, top_k at most it).
+        vocab = int(self.engine.tokenizer.vocab_size) if self.engine is not None else None
+        return web.Response(text=openapi.render(vocab), content_type="application/json")
 
     # ---- errors and logs ----
 

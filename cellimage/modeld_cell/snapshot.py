@@ -171,6 +171,10 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
             raise asyncio.CancelledError()
         info["write_ms"] = elapsed_ms(t0)
         return info
+    except (FileExistsError, IsADirectoryError, NotADirectoryError) as e:
+        # what the snapshot directory holds is in the way: a file where a folder is needed, or a folder at path
+        raise eng._err(errors.Conflict(f"cannot write snapshot to {path}: {e.strerror} ({e.filename})", path=path,
+                                       field="path")) from e
     except OSError as e:
         raise eng._err(errors.BadRequest(f"cannot write snapshot to {path}: {e}", path=path)) from e
     except RuntimeError as e:      # the backend failed reading the K/V (e.g. a lost rank): Fatal, not ready

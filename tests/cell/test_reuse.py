@@ -237,7 +237,7 @@ async def test_a_session_keeps_the_cache_scope_it_was_created_in(engine, make_en
     eng = make_engine(kv_mib=16)
     p = prompt(engine, 40)
     await eng.ensure_prefix("s", p, cache_salt="tenant-a")
-    with pytest.raises(errors.BadRequest, match="another cache_salt") as e:
+    with pytest.raises(errors.Conflict, match="another cache_salt") as e:
         await eng.ensure_prefix("s", p + p[:3], cache_salt="tenant-b")
     assert e.value.details["field"] == "cache_salt"
     assert eng._sessions["s"].tokens == p                  # refused before anything changed

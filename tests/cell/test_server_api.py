@@ -162,8 +162,10 @@ async def test_metrics_exports_the_names(client, sid):
 
 
 async def test_openapi_served_is_the_generated_document(client):
+    """The committed document with the model's bounds as numbers (token ids below its vocabulary size)."""
     status, doc = await call(client, "GET", "/openapi.json")
-    assert status == 200 and doc == openapi.build()
+    assert status == 200 and doc == openapi.build(vocab_size=49152)
+    assert doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 49151
 
 
 async def test_cache_salt_scopes_a_new_session_over_http(client, sid):
@@ -181,6 +183,8 @@ async def test_cache_salt_scopes_a_new_session_over_http(client, sid):
         await call(client, "DELETE", f"/v1/sessions/{other}")
     assert results["tenant-b"] == 0 and results["tenant-a"] > 0, results
     status, out = await call(client, "POST", f"/v1/sessions/{sid}/prefix", {"text": text, "cache_salt": "tenant-b"})
-    assert status == 400 and out["error"]["details"]["field"] == "cache_salt", out
+    # the request is valid; the session's scope refuses it (409, like a request already running on it)
+    assert status == 409 and out["error"]["kind"] == "conflict", out
+    assert out["error"]["details"]["field"] == "cache_salt", out
     status, out = await call(client, "POST", f"/v1/sessions/{sid}/prefix", {"text": text, "cache_salt": ""})
     assert status == 400 and "cache_salt" in str(out), out

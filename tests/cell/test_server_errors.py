@@ -62,6 +62,8 @@ BAD_BODIES = [
     ("snapshot", {}, "path"),
     ("snapshot", {"path": "../outside.snap"}, "path"),
     ("snapshot", {"path": "/etc/passwd"}, "path"),
+    ("snapshot", {"path": "a/./b"}, "path"),
+    ("snapshot", {"path": "a//b"}, "path"),
     ("restore", {"path": "a\x00b"}, "path"),
 ]
 
@@ -86,7 +88,7 @@ async def test_bad_body_is_a_typed_400_and_changes_nothing(client, sid, route, b
 
 
 async def test_bad_session_id_and_timeout_header(client, sid):
-    for bad in ("-lead", "a" * 129, "sp ace", "semi;colon"):
+    for bad in ("-lead", "a" * 129, "sp ace", "semi;colon", "trailing%0A"):  # %0A: the pattern is ECMA's, $ is the end
         status, out = await call(client, "POST", f"/v1/sessions/{bad}/prefix", {"text": "x"})
         assert_error(status, out, 400, "bad_request", field="session_id")
     for header in ("soon", "0", "-3", "nan", "inf", "1e9"):
@@ -95,6 +97,46 @@ async def test_bad_session_id_and_timeout_header(client, sid):
         assert_error(status, out, 400, "bad_request", field="X-Request-Timeout")
     status, _ = await call(client, "GET", f"/v1/sessions/{sid}")
     assert status == 404  # none of the refused requests created the session
+
+
+async def test_every_form_and_edge_the_document_allows_is_served(client, sid):
+    """Integral numbers in any JSON form are integers (JSON Schema's reading), and the ends of every documented range
+    are served; a tiny temperature is greedy in effect (before, 1.8e-280 made softmax NaN and the worker fatal)."""
+    base = f"/v1/sessions/{sid}"
+    status, out = await call(client, "POST", base + "/prefix", raw='{"tokens": [504, 2.0, 1e1, 4.00]}',
+                             headers={"Content-Type": "application/json"})
+    assert status == 200, out
+    assert (await session(client, sid))["tokens"] == [504, 2, 10, 4]
+    status, out = await call(client, "POST", base + "/prefix", {"text": "The capital of France is", "tokens": None,
+                                                                "messages": None, "add_generation_prompt": None})
+    assert status == 200, out                           # null is absent, as the document says
+    for body in ({"max_tokens": 1.0, "top_k": VOCAB, "seed": 2**63 - 1, "temperature": 1.8e-280},
+                 {"max_tokens": 1, "temperature": 5e-324, "top_p": 5e-324, "top_k": 1.0},
+                 {"max_tokens": 1, "temperature": 10, "top_p": 1, "stop_token_ids": [VOCAB - 1.0]}):
+        status, out = await call(client, "POST", base + "/decode", body)
+        assert status == 200 and out["trace"]["completion_tokens"] == 1, (body, out)
+    status, _ = await call(client, "GET", "/readyz")
+    assert status == 200
+
+
+async def test_valid_requests_the_session_state_refuses_are_409(client, sid):
+    """An empty session cannot be decoded from; a snapshot path blocked by what the snapshot directory holds is a
+    conflict too, and leaves the worker ready (before, a file in the way of the path's folders raised out of the
+    handler: 503 fatal, and the worker stayed not ready)."""
+    base = f"/v1/sessions/{sid}"
+    assert (await call(client, "POST", base + "/prefix", {"tokens": []}))[0] == 200
+    status, out = await call(client, "POST", base + "/decode", {"max_tokens": 1})
+    assert_error(status, out, 409, "conflict")
+    await _prepared(client, sid)
+    assert (await call(client, "POST", base + "/snapshot", {"path": "blocker"}))[0] == 200
+    assert (await call(client, "POST", base + "/snapshot", {"path": "dir/s.snap"}))[0] == 200
+    for path in ("blocker/s.snap", "dir"):         # a file where a folder must be; a folder where the file goes
+        status, out = await call(client, "POST", base + "/snapshot", {"path": path})
+        assert_error(status, out, 409, "conflict", field="path")
+    status, out = await call(client, "POST", base + "/restore", {"path": "blocker/s.snap"})
+    assert_error(status, out, 404, "not_found", field="path")
+    status, _ = await call(client, "GET", "/readyz")
+    assert status == 200
 
 
 async def test_unknown_session(client):

@@ -1,10 +1,13 @@
-"""The OpenAPI document is generated from the code and committed; drift between the two fails here."""
+"""The OpenAPI document is generated from the code and committed; drift between the two fails here, and so does a
+request the document and the models judge differently (tests/cell/test_server_fuzz.py does the same on a worker)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from modeld_cell import openapi
+from modeld_cell import openapi, schemas, server
 from modeld_cell.server import create_app
 
 pytestmark = pytest.mark.unit
@@ -37,3 +40,70 @@ def test_request_bodies_forbid_unknown_fields_and_errors_are_typed():
             for status, resp in op["responses"].items():
                 if status != "200":
                     assert resp["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+
+
+# (model, body): the document's schema and the pydantic model must agree on each (both accept or both refuse).
+AGREE = [
+    (schemas.PrefixRequest, {"tokens": [1]}),
+    (schemas.PrefixRequest, {"text": "x", "tokens": None, "messages": None, "add_generation_prompt": None}),
+    (schemas.PrefixRequest, {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True}),
+    (schemas.PrefixRequest, {}),
+    (schemas.PrefixRequest, {"tokens": None}),
+    (schemas.PrefixRequest, {"tokens": [1], "text": "x"}),
+    (schemas.PrefixRequest, {"tokens": [1], "text": None}),
+    (schemas.PrefixRequest, {"text": "x", "add_generation_prompt": False}),
+    (schemas.PrefixRequest, {"tokens": [1], "messages": [{"role": "user", "content": "x"}],
+                             "add_generation_prompt": False}),
+    (schemas.SuffixRequest, {"tokens": []}),
+    (schemas.SuffixRequest, {"text": "", "messages": [{"role": "user", "content": "x"}]}),
+    (schemas.TokenizeRequest, {"text": "x"}),
+    (schemas.TokenizeRequest, {"tokens": [1]}),
+    (schemas.TokenizeRequest, {"text": "x", "tokens": None}),
+    (schemas.SnapshotRequest, {"path": "a/b.snap"}),
+    (schemas.SnapshotRequest, {"path": "_x/.hidden-ok/y"}),
+    (schemas.SnapshotRequest, {"path": "../x"}),
+    (schemas.SnapshotRequest, {"path": "/x"}),
+    (schemas.SnapshotRequest, {"path": "a/./b"}),
+    (schemas.SnapshotRequest, {"path": "a/"}),
+    (schemas.SnapshotRequest, {"path": "a" * 129}),
+    (schemas.DecodeRequest, {"top_k": 10**6, "max_tokens": 1, "seed": 2**63 - 1}),
+    (schemas.DecodeRequest, {"seed": 2**63}),
+]
+
+
+@pytest.mark.parametrize(("model", "body"), AGREE, ids=[f"{m.__name__}-{i}" for i, (m, _) in enumerate(AGREE)])
+def test_the_document_and_the_models_agree_on_what_is_valid(model, body):
+    import jsonschema_rs
+
+    doc = openapi.build()
+    valid = jsonschema_rs.validator_for({"$ref": openapi.REF.format(model=model.__name__), **doc}).is_valid(body)
+    try:
+        model.model_validate(body)
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert valid == accepted, (model.__name__, body, valid, accepted)
+
+
+def test_model_bounds_are_numbers_in_the_served_document():
+    committed = json.loads(openapi.COMMITTED.read_text())
+    served = openapi.build(vocab_size=49152)
+    assert served == openapi.for_model(committed, 49152)
+    defs = served["components"]["schemas"]
+    assert defs["DecodeRequest"]["properties"]["top_k"]["maximum"] == 49152
+    assert defs["DecodeRequest"]["properties"]["stop_token_ids"]["items"]["maximum"] == 49151
+    assert defs["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 49151
+    assert "maximum" not in committed["components"]["schemas"]["DecodeRequest"]["properties"]["top_k"]
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("2", 2), ("2.0", 2), ("2e3", 2000), ("-0.0", 0), ("9223372036854775807.0", 2**63 - 1), ("2.5", 2.5),
+    ("1.0000000000000000001", 1.0), ("1e31", 1e31), ("1e400", float("inf")), ("5e-324", 5e-324),
+])
+def test_json_numbers_are_read_as_json_schema_reads_them(text, want):
+    got = schemas.loads(text)
+    assert got == want and type(got) is type(want), (text, got)
+
+
+def test_session_ids_match_as_ecma_patterns_do():
+    assert server.SESSION_ID.fullmatch("a.b_c-1") and not server.SESSION_ID.fullmatch("abc\n")
