@@ -145,14 +145,15 @@ def apply_deployment(manifest: dict[str, Any]) -> None:
         _raise(exc, f"updating deployment {name}")
 
 
-def delete_deployment(namespace: str, name: str) -> None:
-    """Delete a Deployment and its pods now (foreground); absent is fine."""
+def stop_deployment(namespace: str, name: str) -> None:
+    """Scale a Deployment to no pods; absent is fine (nothing to stop, nothing written). The operator never deletes:
+    its RBAC has no delete verb (tests/e2e/test_chart.py), and the Deployment goes with its Cell by owner reference.
+    It used to delete here, and the apiserver's 403 reached only the operator's log."""
     try:
-        apps().delete_namespaced_deployment(name, namespace, propagation_policy="Foreground",
-                                            _request_timeout=TIMEOUT)
+        apps().patch_namespaced_deployment(name, namespace, {"spec": {"replicas": 0}}, _request_timeout=TIMEOUT)
     except ApiException as exc:
         if exc.status != 404:
-            _raise(exc, f"deleting deployment {name}")
+            _raise(exc, f"stopping deployment {name}")
 
 
 def _with_version(namespace: str, name: str, manifest: dict[str, Any]) -> dict[str, Any]:

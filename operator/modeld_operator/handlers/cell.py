@@ -233,7 +233,7 @@ def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec
     cell, idx = parse_spec(spec), Indexes.of(kw)
     if refused := unserved(cell):
         # nothing would serve it: no pods (none hold GPUs or crash-loop); status says which field and why
-        kube.delete_deployment(namespace, placement.deployment_name(name))
+        kube.stop_deployment(namespace, placement.deployment_name(name))
         refresh_status(name, namespace, body, cell, idx)
         metrics.RECONCILES.labels("cell", "refused").inc()
         logger.info("cell %s refused: %s", name, "; ".join(u.message() for u in refused))
