@@ -14,11 +14,10 @@ from modeld_api.served import unserved
 from modeld_operator import cellstatus, certification, kube, metrics, placement
 from modeld_operator.conditions import get_condition, set_condition, spec_errors
 from modeld_operator.conditions import now as conditions_now
-from modeld_operator.handlers.indexes import BINDINGS, BoundSession, CellEntry, alive, store
+from modeld_operator.handlers.indexes import BINDINGS, CELLS, BoundSession, CellEntry, alive, store
 from modeld_operator.handlers.rejected import holds, surfaced
 from modeld_operator.settings import SETTINGS
 
-CELLS = (api.GROUP, api.VERSION, "cells")
 log = logging.getLogger("modeld_operator.cell")
 
 

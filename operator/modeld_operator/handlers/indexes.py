@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 import modeld_api as api
 
-CELLS = (api.GROUP, api.VERSION, "cells")
+CELLS = (api.GROUP, api.VERSION, "cells")           # what the handlers of cell.py and session.py watch too
 SESSIONS = (api.GROUP, api.VERSION, "sessions")
 JOB_NAME = "batch.kubernetes.io/job-name"
 

@@ -36,7 +36,7 @@ def report(plural: str, namespace: str, name: str, body: Any, message: str) -> N
     patch: dict[str, Any] = {"conditions": conditions, "phase": "Failed" if plural == "cells" else "Pending"}
     if plural == "sessions":
         patch["reason"] = message
-    if changed or get_condition(status.get("conditions"), CONDITION) != get_condition(conditions, CONDITION):
+    if get_condition(status.get("conditions"), CONDITION) != get_condition(conditions, CONDITION):
         kube.patch_status(plural, namespace, name, patch)
     if changed:
         kopf.event(body, type="Warning", reason=REASON, message=message)

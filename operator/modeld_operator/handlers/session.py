@@ -12,11 +12,9 @@ from pydantic import ValidationError
 import modeld_api as api
 from modeld_operator import kube, metrics, placement
 from modeld_operator.conditions import now, set_condition, spec_errors
-from modeld_operator.handlers.indexes import BINDINGS, BoundSession, CellEntry, alive, store
+from modeld_operator.handlers.indexes import BINDINGS, SESSIONS, BoundSession, CellEntry, alive, store
 from modeld_operator.handlers.rejected import Reported, surfaced
 from modeld_operator.settings import SETTINGS
-
-SESSIONS = (api.GROUP, api.VERSION, "sessions")
 
 
 def covering(summary: dict[str, Any], required: int) -> tuple[int | None, float | None, float | None]:
