@@ -29,7 +29,19 @@ from pathlib import Path
 from kubernetes import client, config, watch
 
 LABEL = "modeld.contenox.io/local-run=true"
+# How long a stopped pod's processes get between SIGTERM and SIGKILL. Shorter than the kubelet's 30 s default grace
+# (and than a worker's 25 s drain limit), so `hack/cluster down` waits for it and no worker outlives its cluster
+# holding a pod IP the next cluster hands out again.
+STOP_GRACE_S = 10.0
 log = logging.getLogger("podrunner")
+
+
+def _signal_group(run: Running, sig: signal.Signals) -> None:
+    assert run.proc is not None
+    try:
+        os.killpg(run.proc.pid, sig)
+    except ProcessLookupError:       # exited between the check and the signal
+        pass
 
 
 @dataclass
@@ -137,14 +149,27 @@ class Runner:
         log.info("pod %s: started pid %d", run.key, run.proc.pid)
 
     def stop(self, run: Running) -> None:
-        run.stopped = True
-        if run.proc and run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGTERM)
+        self.stop_all([run])
+
+    @staticmethod
+    def stop_all(runs: list[Running], grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM every process group at once, then SIGKILL those still alive after ``grace`` seconds: a worker
+        drains in flight requests on SIGTERM, and stopping N of them costs one grace period, not N."""
+        live = [r for r in runs if r.proc is not None and r.proc.poll() is None]
+        for run in runs:
+            run.stopped = True
+        for run in live:
+            _signal_group(run, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for run in live:
+            assert run.proc is not None
             try:
-                run.proc.wait(10)
+                run.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(run.proc.pid, signal.SIGKILL)
-        log.info("pod %s: stopped", run.key)
+                _signal_group(run, signal.SIGKILL)
+                run.proc.wait()
+        for run in runs:
+            log.info("pod %s: stopped", run.key)
 
     def reap(self) -> None:
         """Restart exited processes with back-off (10 s doubling to 5 min), as the kubelet does."""
@@ -201,8 +226,7 @@ class Runner:
 
     def shutdown(self) -> None:
         with self.lock:
-            for run in self.pods.values():
-                self.stop(run)
+            self.stop_all(list(self.pods.values()))
             self.pods.clear()
 
 
