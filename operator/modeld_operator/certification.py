@@ -244,10 +244,26 @@ def jobs_to_read(o: Observed) -> str | None:
     return None if t is None or is_current(o.old, t[1]) else t[2]
 
 
+def outdated_by(o: Observed) -> str | None:
+    """Why the stored verdict no longer stands for the cell, known before any worker is ready (a changed spec
+    replaces the pods first): the key of the spec and baseline as they are now, on the topology it was measured on,
+    differs from the stored one. None when it still stands or nothing is stored."""
+    if not (o.old and o.old.get("key") and o.old.get("topology")):
+        return None
+    if o.baseline is not None and o.baseline.missing:
+        return None                     # said as BaselineMissing once a worker is ready
+    if certification_key(o.spec, o.old["topology"], o.baseline.spec if o.baseline else None) == o.old["key"]:
+        return None
+    return (f"the spec or its baseline changed since certification {o.old['key']} on {o.old['topology']}: "
+            "the cell is measured again once a worker of the new spec is ready")
+
+
 def next_step(o: Observed) -> Step:
     """The cell's certification on the topology it runs on: kept while nothing measured changes, else measured by a
     Job, then read back from the Job's pod. Pure: the handler reads ``o`` and acts on the Step."""
     if o.ready_url is None:
+        if (stale := outdated_by(o)) is not None:
+            return Step(o.old, (None, "SpecChanged", stale))
         return Step(o.old, None)
     if o.baseline is not None and o.baseline.missing:
         return Step(o.old, (False, "BaselineMissing", f"baseline cell {o.baseline.name} does not exist in {o.namespace}"))

@@ -38,6 +38,24 @@ def test_nothing_to_do_without_a_ready_worker():
     assert c.target(observed(ready_url=None)) is None
 
 
+def test_a_verdict_for_another_spec_stops_standing_before_the_new_worker_is_ready():
+    """A changed spec replaces the pods first: while no worker of the new spec is ready the old verdict is kept on
+    record but the condition is Unknown (no Session binds by a measurement of another spec)."""
+    bspec = spec(contextTier=2048)
+    key = c.certification_key(spec(), "cpu", bspec)
+    old = {"certified": True, "gate": "context", "key": key, "topology": "cpu", "measuredAt": "2026-11-30T10:00:00Z"}
+    same = observed(ready_url=None, old=old, baseline=c.Baseline("base", spec=bspec))
+    assert c.next_step(same) == c.Step(old, None)
+    for changed in (dataclasses.replace(same, spec=spec(kvMemoryMiB=96)),              # the cell's spec
+                    dataclasses.replace(same, baseline=c.Baseline("base", spec=spec()))):  # or its baseline's
+        s = c.next_step(changed)
+        assert s.cert == old and s.job is None and s.verdict is not None
+        assert s.verdict[:2] == (None, "SpecChanged") and key in s.verdict[2]
+    # nothing stored, or a baseline that is gone (said as BaselineMissing once a worker is ready): nothing to say yet
+    assert c.next_step(dataclasses.replace(same, old=None)) == c.Step(None, None)
+    assert c.next_step(dataclasses.replace(same, baseline=c.Baseline("base", missing=True))) == c.Step(old, None)
+
+
 def test_a_missing_or_unready_baseline_is_said_and_nothing_is_measured():
     s = c.next_step(observed(baseline=c.Baseline("base", missing=True)))
     assert s == c.Step(None, (False, "BaselineMissing", "baseline cell base does not exist in ns"))
