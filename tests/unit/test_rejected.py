@@ -89,3 +89,27 @@ def test_an_invalid_spec_names_its_fields():
     assert spec_errors(info.value).startswith("spec.requiredContext: ")
     with pytest.raises(kopf.PermanentError, match=r"invalid Session spec: spec\.requiredContext: "):
         parse_spec({"modelFamily": "smollm2", "requiredContext": "lots"})
+
+
+def test_a_success_clears_the_rejection_inside_kopfs_patch_when_the_handler_wrote_its_status_there(calls):
+    """A handler whose status goes out in kopf's patch: the Reconciled condition is set in that patch's list (a list
+    in a merge patch replaces the stored one whole, so a separate write would be undone by it)."""
+    old = [{"type": "Reconciled", "status": "False", "reason": "Rejected", "message": "x", "observedGeneration": 3,
+            "lastTransitionTime": "t"},
+           {"type": "Ready", "status": "False", "reason": "NoPods", "message": "", "observedGeneration": 3}]
+
+    @rejected.surfaced("cells")
+    def reconcile(patch, **_):
+        ready = {**old[1], "status": "True", "reason": "Ready"}
+        patch["status"] = {"phase": "Ready", "conditions": [old[0], ready]}
+
+    patch: dict = {}
+    reconcile(name="c", namespace="ns", body=body(old), patch=patch)
+    assert calls["status"] == []                                              # nothing written apart
+    conds = {c["type"]: c for c in patch["status"]["conditions"]}
+    assert conds["Reconciled"]["status"] == "True" and conds["Ready"]["status"] == "True"
+    assert patch["status"]["phase"] == "Ready"
+
+    patch = {}                                                                # a handler that wrote no status
+    rejected.surfaced("cells")(lambda **_: None)(name="c", namespace="ns", body=body(old), patch=patch)
+    assert [c["status"] for c in patch["status"]["conditions"]] == ["True", "False"] and calls["status"] == []

@@ -157,9 +157,12 @@ def planned(namespace: str, name: str, spec: api.CellSpec, idx: Indexes) -> plac
     return plan
 
 
-def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, idx: Indexes) -> placement.Placement:
+def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, idx: Indexes,
+                   patch: kopf.Patch | None = None) -> placement.Placement:
     """Derive the Cell's status from nodes, pods and bound sessions (all from the indexes: no list call) and its
-    workers; patch it if anything changed. Sessions bound to a worker that is gone, not ready or replaced are sent
+    workers; patch it if anything changed: into kopf's ``patch`` when given (a reconcile handler's: it goes out with
+    kopf's own annotations; written apart, its watch event reached kopf before them and kopf ran the create handler
+    again on it), else at once (the timer). Sessions bound to a worker that is gone, not ready or replaced are sent
     back to be rebound."""
     plan = planned(namespace, name, spec, idx)
     pods = store(idx.pods, ("cell", namespace, name))
@@ -208,7 +211,10 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         conditions=[api.Condition.model_validate(c) for c in conditions],
     ).model_dump(mode="json", exclude_none=True)
     if status != {k: v for k, v in old.items() if k in status}:
-        kube.patch_status("cells", namespace, name, status)
+        if patch is not None:
+            patch["status"] = status
+        else:
+            kube.patch_status("cells", namespace, name, status)
     if changed_served and not d.served[0]:
         kopf.event(body, type="Warning", reason=d.served[1], message=d.served[2][:1000])
     if changed_sched and d.served[0]:
@@ -233,14 +239,14 @@ def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec
     if refused := unserved(cell):
         # nothing would serve it: no pods (none hold GPUs or crash-loop); status says which field and why
         kube.stop_deployment(namespace, placement.deployment_name(name))
-        refresh_status(name, namespace, body, cell, idx)
+        refresh_status(name, namespace, body, cell, idx, kw["patch"])
         metrics.RECONCILES.labels("cell", "refused").inc()
         logger.info("cell %s refused: %s", name, "; ".join(u.message() for u in refused))
         return
     manifest = placement.deployment(name, namespace, cell)
     kopf.append_owner_reference(manifest, owner=body)
     kube.apply_deployment(manifest)
-    plan = refresh_status(name, namespace, body, cell, idx)
+    plan = refresh_status(name, namespace, body, cell, idx, kw["patch"])
     metrics.RECONCILES.labels("cell", "ok" if plan.schedulable else "waiting").inc()
     if not plan.schedulable and cell.replicas:
         # Nodes may still join: wait for capacity instead of failing, and never crash-loop.

@@ -42,15 +42,22 @@ def report(plural: str, namespace: str, name: str, body: Any, message: str) -> N
         kopf.event(body, type="Warning", reason=REASON, message=message)
 
 
-def accepted(plural: str, namespace: str, name: str, body: Any) -> None:
-    """After a successful reconcile: clear an earlier rejection (nothing written when there was none)."""
+def accepted(plural: str, namespace: str, name: str, body: Any, patch: Any = None) -> None:
+    """After a successful reconcile: clear an earlier rejection (nothing written when there was none). With kopf's
+    ``patch``, into the conditions the handler put there (kopf writes it after this, and a list in a merge patch
+    replaces the stored one whole: written apart, the handler's older list would undo it)."""
     status = dict(body.get("status") or {})
     old = get_condition(status.get("conditions"), CONDITION)
     if old is None or old.get("status") == "True":
         return
     generation = (body.get("metadata") or {}).get("generation")
-    conditions, _ = set_condition(status.get("conditions"), CONDITION, True, "Reconciled", "reconciled", generation)
-    kube.patch_status(plural, namespace, name, {"conditions": conditions})
+    pending = patch.get("status") if patch is not None else None
+    base = pending["conditions"] if isinstance(pending, dict) and pending.get("conditions") else status.get("conditions")
+    conditions, _ = set_condition(base, CONDITION, True, "Reconciled", "reconciled", generation)
+    if patch is None:
+        kube.patch_status(plural, namespace, name, {"conditions": conditions})
+    else:
+        patch.setdefault("status", {})["conditions"] = conditions
 
 
 def holds(status: dict[str, Any], generation: int | None) -> bool:
@@ -77,7 +84,7 @@ def surfaced(plural: str, clears: bool = True) -> Callable[[F], F]:
                     report(plural, namespace, kw["name"], kw["body"], str(exc))
                 raise
             if clears and kw.get("namespace"):
-                accepted(plural, kw["namespace"], kw["name"], kw["body"])
+                accepted(plural, kw["namespace"], kw["name"], kw["body"], kw.get("patch"))
             return out
 
         return handler  # type: ignore[return-value]
