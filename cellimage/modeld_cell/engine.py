@@ -241,6 +241,14 @@ class Engine:
         cancellation mid-prefill the session holds a prefix of ``tokens`` (details.session_tokens), never
         anything else; calling again continues from there.
         """
+        s, t0, tr_kw = await self._ensure_prefix(session_id, tokens, deadline, cache_salt)
+        tr = self._trace(s, t0, **tr_kw)
+        self._commit(s)                                  # after the trace: the stored totals count this request
+        return tr
+
+    async def _ensure_prefix(self, session_id: str, tokens: list[int], deadline: float | None,
+                             cache_salt: str | None) -> tuple[Session, float, dict[str, Any]]:
+        """ensure_prefix's work: (the session, its start time, the trace's fields); neither traced nor committed."""
         t0 = time.perf_counter()
         self._check_ready()
         toks = self._validate_tokens(tokens)
@@ -300,8 +308,7 @@ class Engine:
             raise
         finally:
             s.busy = None
-        self._commit(s)
-        return self._trace(s, t0, **tr_kw)
+        return s, t0, tr_kw
 
     async def prefill_suffix(self, session_id: str, tokens: list[int], deadline: float | None = None) -> Trace:
         """Append ``tokens`` to the session. NotFound if absent; Overflow before any change; on Timeout or
@@ -339,8 +346,9 @@ class Engine:
             raise
         finally:
             s.busy = None
-        self._commit(s)
-        return self._trace(s, t0, **tr_kw)
+        tr = self._trace(s, t0, **tr_kw)
+        self._commit(s)                                  # after the trace: the stored totals count this request
+        return tr
 
     def decode(self, session_id: str, params: SamplingParams, max_tokens: int, stop_token_ids: Sequence[int] = (),
                stop: Sequence[str] = (), deadline: float | None = None) -> AsyncIterator[DecodeEvent]:
@@ -451,15 +459,15 @@ class Engine:
         t0 = time.perf_counter()
         self._sessions[session_id] = Session(session_id, root=bytes.fromhex(d["scope"]))
         try:
-            tr = await self.ensure_prefix(session_id, d["tokens"])
+            s, t_start, tr_kw = await self._ensure_prefix(session_id, d["tokens"], None, None)
         except BaseException:
-            s = self._sessions.pop(session_id, None)
-            if s is not None and s.blocks:
-                self.kv.free(s.blocks[::-1])
+            lost = self._sessions.pop(session_id, None)
+            if lost is not None and lost.blocks:
+                self.kv.free(lost.blocks[::-1])
             raise
-        s = self._sessions[session_id]
-        s.totals = {k: int(d["totals"].get(k, v)) for k, v in s.totals.items()}
-        self._commit(s)
+        tr = self._trace(s, t_start, **tr_kw)            # the engine's counters count the recompute...
+        s.totals = {k: int(d["totals"].get(k, v)) for k, v in s.totals.items()}   # ...the session's totals do not
+        # nothing to commit: the store holds exactly these tokens, totals and scope
         return {"tokens_restored": len(d["tokens"]), "tokens_reused": tr.tokens_reused,
                 "tokens_computed": tr.tokens_computed, "restore_ms": round(elapsed_ms(t0), 3),
                 "committed_at": d.get("committed_at")}
