@@ -123,10 +123,29 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if report.failed and call.when == "call":
         for log in OPERATOR_LOGS:
             try:
-                lines = log.read_text(errors="replace").splitlines()[-60:]
+                # a timer's success every second says nothing and would push everything else out of the tail
+                lines = [line for line in log.read_text(errors="replace").splitlines()
+                         if not line.endswith("succeeded.")][-60:]
             except OSError:
                 continue
             report.sections.append((f"{log.name} (last {len(lines)} lines)", "\n".join(lines)))
+        cluster, namespace = item.funcargs.get("cluster"), item.funcargs.get("namespace")   # type: ignore[attr-defined]
+        if isinstance(cluster, Cluster) and isinstance(namespace, str):
+            report.sections.append((f"namespace {namespace} at the failure", cluster_state(cluster, namespace)))
+
+
+def cluster_state(cluster: Cluster, namespace: str) -> str:
+    """What a failing test's namespace held: its Cells' conditions, pods, Jobs and Events, oldest first."""
+    out = []
+    for args in (["get", "cells,sessions,pods,jobs", "-o", "wide"],
+                 ["get", "cells", "-o", "jsonpath={range .items[*]}{.metadata.name}: {.status.conditions}{'\\n'}{end}"],
+                 ["get", "events", "--sort-by=.lastTimestamp"]):
+        try:
+            res = cluster.kubectl(*args, "-n", namespace, check=False)
+            out.append(res.stdout + res.stderr)
+        except subprocess.TimeoutExpired:
+            out.append(f"kubectl {' '.join(args)}: timed out")
+    return "\n".join(out)[-12000:]
 
 
 def start_operator(kubeconfig: Path, log: Path) -> subprocess.Popen:
