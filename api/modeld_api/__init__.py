@@ -33,6 +33,9 @@ FINALIZER = f"{GROUP}/finalizer"
 ANNOTATION_CERTIFY_TIERS = f"{GROUP}/certify-tiers"  # e.g. "1024,4096": context tiers the certification Job measures
 ANNOTATION_CERTIFY_ARGS = f"{GROUP}/certify-args"  # e.g. "--repeats 1 --agent-turns 2": workload size of the Job
 LABEL_CERTIFIES = f"{GROUP}/certifies"  # on a certification Job and its pod: the Cell it measures
+# On a cell's pod: a hash of the spec its worker runs, so certification measures only a worker of the spec as it is
+# now, never one of the spec before a change that the Deployment has not replaced yet
+ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Names the apiserver accepts that the operator derives others from (the CRDs' root CEL rules): a Cell's name is a

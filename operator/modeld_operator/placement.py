@@ -6,6 +6,7 @@ unit-tested without a cluster (LWS's planner/executor split).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -148,6 +149,16 @@ def worker_command(spec: api.CellSpec) -> list[str]:
             "-m", "modeld_cell", "serve"]
 
 
+def spec_json(spec: api.CellSpec) -> str:
+    """The cell spec as its worker reads it (MODELD_CELL_SPEC)."""
+    return json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)
+
+
+def spec_hash(spec: api.CellSpec) -> str:
+    """Names the spec a pod's worker runs (its annotation ANNOTATION_SPEC_HASH)."""
+    return hashlib.sha256(spec_json(spec).encode()).hexdigest()[:16]
+
+
 def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any]:
     """The cell pod: worker command, the cell spec in its environment (no volumes needed), GPUs, affinity."""
     labels = {api.LABEL_CELL: name, api.LABEL_MANAGED_BY: "modeld", "app.kubernetes.io/name": "modeld-cell"}
@@ -162,7 +173,7 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
         resources["limits"][api.RESOURCE_GPU] = str(spec.topology.gpus)
         tolerations.append({"key": api.RESOURCE_GPU, "operator": "Exists", "effect": "NoSchedule"})
     env = [
-        {"name": "MODELD_CELL_SPEC", "value": json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)},
+        {"name": "MODELD_CELL_SPEC", "value": spec_json(spec)},
         {"name": "MODELD_CELL_NAME", "value": name},
         {"name": "MODELD_CELL_NAMESPACE", "value": namespace},
         {"name": "MODELD_CELL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -199,7 +210,7 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
     if mounts:
         container["volumeMounts"] = mounts
     return {
-        "metadata": {"labels": labels},
+        "metadata": {"labels": labels, "annotations": {api.ANNOTATION_SPEC_HASH: spec_hash(spec)}},
         "spec": {
             "affinity": {"nodeAffinity": node_affinity(spec)},
             "tolerations": tolerations,

@@ -119,3 +119,41 @@ def test_a_bind_made_here_is_not_made_again_from_an_older_body():
     b.made("ns", "s", "http://127.0.0.1:1")
     b.forget("ns", "s")                                          # sent back by its cell: rebind for real
     assert not b.ahead_of("ns", "s", {"phase": "Pending"})
+
+
+def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypatch):
+    """A changed spec's old pod is still ready until the Deployment replaces it: a Job against it would certify the
+    old spec under the new key (it did, in the e2e run: the Job found the old worker gone and recorded a failure).
+    Only a pod whose spec hash is the current spec's is measured."""
+    jobs, patches = [], []
+    monkeypatch.setattr(cell_handlers.kube, "create_job", jobs.append)
+    monkeypatch.setattr(cell_handlers.kube, "patch_status", lambda plural, ns, name, st: patches.append(st))
+    monkeypatch.setattr(cell_handlers.kube, "http_json", lambda *a: (200, {"ready": True, "instance": "i1"}))
+    monkeypatch.setattr(cell_handlers.kopf, "event", lambda *a, **kw: None)
+    monkeypatch.setattr(cell_handlers, "_PLANS", {})
+    old_spec = api.CellSpec.model_validate(SPEC)
+    spec = api.CellSpec.model_validate({**SPEC, "kvMemoryMiB": 96})
+
+    def refresh(pod_spec: api.CellSpec) -> dict:
+        meta = {"name": "cell-c-1", "annotations": {api.ANNOTATION_SPEC_HASH: placement.spec_hash(pod_spec)}}
+        status = {"phase": "Running", "podIP": "127.30.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
+        pods = {key: [pod] for key, pod in pod_index(namespace="ns", meta=meta, spec={"nodeName": "n1"}, status=status,
+                                                     labels={api.LABEL_CELL: "c"}).items()}
+        node = placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)
+        idx = cell_handlers.Indexes({"all": [node], ("node", "n1"): [node]}, pods, {}, {})  # type: ignore[arg-type]
+        body = {"metadata": {"name": "c", "namespace": "ns", "generation": 2}, "status": {}}
+        patch: dict = {}
+        cell_handlers.refresh_status("c", "ns", body, spec, idx, patch)  # type: ignore[arg-type]
+        return patch["status"]
+
+    status = refresh(old_spec)
+    assert jobs == [] and patches == []                                           # nothing measured; status in kopf's patch
+    assert status["readyReplicas"] == 1                                           # the old worker still serves
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["Certified"] == "NotCertified"
+    refresh(spec)
+    (job,) = jobs
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--endpoint") + 1] == "http://127.30.0.5:8080"
+    assert placement.deployment("c", "ns", spec)["spec"]["template"]["metadata"]["annotations"] == {
+        api.ANNOTATION_SPEC_HASH: placement.spec_hash(spec)}
+    assert placement.spec_hash(spec) != placement.spec_hash(old_spec)

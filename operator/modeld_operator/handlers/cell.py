@@ -58,6 +58,12 @@ def _pod_endpoints(pod: dict[str, Any], port: int, copies: int = 1) -> tuple[lis
     return out, None
 
 
+def runs_spec(pod: dict[str, Any], spec: api.CellSpec) -> bool:
+    """The pod's worker runs ``spec`` as it is now (the pod template's spec hash)."""
+    annotations = pod["metadata"].get("annotations") or {}
+    return annotations.get(api.ANNOTATION_SPEC_HASH) == placement.spec_hash(spec)
+
+
 def worker_refusal(code: int, body: Any) -> str | None:
     """The refusal a worker's /readyz reports (kind unsupported or bad_request, naming the field), else None."""
     err = body.get("error") if isinstance(body, dict) else None
@@ -72,7 +78,9 @@ def certify(
     idx: Indexes, old: dict[str, Any] | None,
 ) -> tuple[dict[str, Any] | None, certification.Verdict | None]:
     """Read what certification.next_step needs (from the indexes), call it, act on its Step. Returns the
-    status.certification to store and the Certified condition (None: leave both as they are)."""
+    status.certification to store and the Certified condition (None: leave both as they are). ``endpoints``: those
+    of pods running the spec as it is now (a changed spec's old pod is still ready until the Deployment replaces
+    it: measured, it would certify the old spec under the new key)."""
     ready = [e for e in endpoints if e.ready and e.url]
     baseline = None
     if spec.baseline:
@@ -189,7 +197,9 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
                                                d.served[2], generation)
     conditions, changed_sched = set_condition(conditions, "Scheduled", sched[0], sched[1], sched[2], generation)
     conditions, changed_ready = set_condition(conditions, "Ready", ready_cond[0], ready_cond[1], ready_cond[2], generation)
-    cert, verdict = (certify(name, namespace, body, spec, endpoints, idx, old.get("certification"))
+    current = {p["metadata"]["name"] for p in pods if runs_spec(p, spec)}
+    cert, verdict = (certify(name, namespace, body, spec, [e for e in endpoints if e.pod in current], idx,
+                             old.get("certification"))
                      if d.served[0] else (old.get("certification"), None))
     changed_cert = False
     if not d.served[0]:

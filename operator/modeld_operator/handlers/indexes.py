@@ -115,11 +115,13 @@ BINDINGS = Bindings()
 
 
 def slim_pod(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
-    """What the Cell handlers read of a pod (its endpoints, a certification Job's verdict): not its spec's
-    environment, which carries the whole Cell spec."""
+    """What the Cell handlers read of a pod (its endpoints, the hash of the spec it runs, a certification Job's
+    verdict): not its spec's environment, which carries the whole Cell spec."""
     status = dict(status or {})
+    spec_hash = (meta.get("annotations") or {}).get(api.ANNOTATION_SPEC_HASH)
     return {
-        "metadata": {"name": meta.get("name"), "deletionTimestamp": meta.get("deletionTimestamp")},
+        "metadata": {"name": meta.get("name"), "deletionTimestamp": meta.get("deletionTimestamp"),
+                     "annotations": {api.ANNOTATION_SPEC_HASH: spec_hash} if spec_hash else {}},
         "spec": {"nodeName": (spec or {}).get("nodeName")},
         "status": {k: status[k] for k in ("phase", "podIP", "conditions", "containerStatuses") if k in status},
     }
