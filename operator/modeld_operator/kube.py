@@ -168,14 +168,16 @@ def _with_version(namespace: str, name: str, manifest: dict[str, Any]) -> dict[s
     return out
 
 
-def create_job(manifest: dict[str, Any]) -> None:
-    """Create once; an existing Job of that name is the same measurement."""
+def create_job(manifest: dict[str, Any]) -> bool:
+    """Create once; an existing Job of that name is the same measurement. Returns whether this call created it."""
     try:
         client.BatchV1Api(api_client()).create_namespaced_job(
             manifest["metadata"]["namespace"], manifest, _request_timeout=TIMEOUT)  # type: ignore[arg-type]
     except ApiException as exc:
         if exc.status != 409:
             _raise(exc, f"creating job {manifest['metadata']['name']}")
+        return False
+    return True
 
 
 def http_json(method: str, url: str, timeout: float, body: dict[str, Any] | None = None) -> tuple[int, Any]:

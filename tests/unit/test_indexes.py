@@ -125,11 +125,11 @@ def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypat
     """A changed spec's old pod is still ready until the Deployment replaces it: a Job against it would certify the
     old spec under the new key (it did, in the e2e run: the Job found the old worker gone and recorded a failure).
     Only a pod whose spec hash is the current spec's is measured."""
-    jobs, patches = [], []
-    monkeypatch.setattr(cell_handlers.kube, "create_job", jobs.append)
+    jobs, patches, events = [], [], []
+    monkeypatch.setattr(cell_handlers.kube, "create_job", lambda job: jobs.append(job) or len(jobs) == 1)  # then 409
     monkeypatch.setattr(cell_handlers.kube, "patch_status", lambda plural, ns, name, st: patches.append(st))
     monkeypatch.setattr(cell_handlers.kube, "http_json", lambda *a: (200, {"ready": True, "instance": "i1"}))
-    monkeypatch.setattr(cell_handlers.kopf, "event", lambda *a, **kw: None)
+    monkeypatch.setattr(cell_handlers.kopf, "event", lambda body, type, reason, message: events.append(reason))
     monkeypatch.setattr(cell_handlers, "_PLANS", {})
     old_spec = api.CellSpec.model_validate(SPEC)
     spec = api.CellSpec.model_validate({**SPEC, "kvMemoryMiB": 96})
@@ -151,7 +151,9 @@ def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypat
     assert status["readyReplicas"] == 1                                           # the old worker still serves
     assert {c["type"]: c["reason"] for c in status["conditions"]}["Certified"] == "NotCertified"
     refresh(spec)
-    (job,) = jobs
+    refresh(spec)                       # the Job's pod is not indexed yet: asked again, it exists (409)
+    job, again = jobs
+    assert job == again and events.count("Certifying") == 1                      # one Event: at its creation
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--endpoint") + 1] == "http://127.30.0.5:8080"
     assert placement.deployment("c", "ns", spec)["spec"]["template"]["metadata"]["annotations"] == {

@@ -97,10 +97,12 @@ def certify(
     if (job := certification.jobs_to_read(o)) is not None:
         o = dataclasses.replace(o, job_pods=store(idx.pods, ("job", namespace, job)))
     step = certification.next_step(o)
+    created = False
     if step.job is not None:
         kopf.append_owner_reference(step.job, owner=body)
-        kube.create_job(step.job)
-    if step.event is not None:
+        created = kube.create_job(step.job)
+    # The step asks for the Job until its pod is indexed (a second or so, a refresh each): one Event, at its creation
+    if step.event is not None and (created or step.job is None):
         kopf.event(body, type="Normal", reason=step.event[0], message=step.event[1])
     return step.cert, step.verdict
 
