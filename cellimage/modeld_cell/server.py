@@ -610,5 +610,8 @@ def create_app(settings: Settings | None = None, engine: SessionEngine | None = 
     for ep in openapi.ENDPOINTS:
         handler = handlers.get(ep.operation_id) or getattr(worker, ep.operation_id)
         app.router.add_route(ep.method, ep.path, handler, name=ep.operation_id)
+    from .openai_api import OpenAIRoutes  # OpenAI's API on the same engine (its own module: it imports this one)
+
+    app.router.add_routes(OpenAIRoutes(worker).routes())
     return app
 

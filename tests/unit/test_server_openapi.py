@@ -21,11 +21,14 @@ def test_committed_openapi_matches_the_generator():
 
 
 def test_every_route_is_documented_and_every_documented_route_served():
+    """Every route but the OpenAI-compatible ones, which follow OpenAI's own published API (openai_api.py)."""
     app = create_app()
     served = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
     doc = openapi.build()
     documented = {(m.upper(), path) for path, ops in doc["paths"].items() for m in ops}
-    assert served == documented
+    assert served - documented == {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                                   ("GET", "/v1/models")}
+    assert documented <= served
 
 
 def test_request_bodies_forbid_unknown_fields_and_errors_are_typed():

@@ -1,0 +1,394 @@
+"""OpenAI-compatible routes on the same engine: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or SSE
+with ``stream``) and ``GET /v1/models``, so existing clients, gateways and load tools can talk to a cell.
+
+Each request is the session contract underneath: the prompt (chat messages rendered with the model's template, or a
+completion prompt as text or token ids) goes to EnsurePrefix, the reply comes from Decode. **Session affinity**: with
+a header ``x-session-id`` (AIBrix's name) or ``x-session-token`` (llm-d's), the request runs on that contract session,
+so an agent that re-sends its whole conversation keeps the KV of everything it sent before (EnsurePrefix keeps the
+longest common prefix and computes the rest), and the reply stays in the session. Without one, the request runs on a
+session of its own that is closed when it ends; the cell's cross-session prefix cache still serves its prompt. Either
+way ``usage.prompt_tokens_details.cached_tokens`` is the prompt tokens served from KV already present, and the
+response's extension field ``modeld`` carries the session id and both traces (token accounting, timings, reuse).
+
+What the cell cannot do is refused with a 400 naming the parameter, never ignored: ``n`` other than 1, ``logprobs``,
+tools, a response format other than text, penalties other than 0, ``echo``, ``suffix``, ``best_of`` other than 1,
+non-text message parts, and unknown fields. Errors use OpenAI's shape (``{"error": {"message", "type", "param",
+"code"}}``); ``code`` is the contract's error class (``context_length_exceeded`` for a prompt over the context tier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from . import schemas as s
+from .contract import SamplingParams
+from .errors import BadRequest, ContractError, Fatal, NotFound, Overflow
+from .server import LOG, _aclose, _render_chat
+
+AFFINITY_HEADERS = ("x-session-id", "x-session-token")
+SESSION_ID = re.compile(s.SESSION_ID_PATTERN)
+MAX_STOP = 16
+
+
+class _Request(BaseModel):
+    # Unknown fields are refused (a parameter this cell would silently ignore is a wrong answer); numbers may be
+    # integers where floats are asked for, as JSON has one number type.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=0, le=s.MAX_TOKENS_PER_REQUEST)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="Absent: 1, as OpenAI's default.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, description="Only 1: one choice per request.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
+                                   description="vLLM's name: the cache scope this request's prompt shares blocks in.")
+    timeout_s: float | None = Field(default=None, gt=0, le=s.MAX_TIMEOUT_S)
+
+    @model_validator(mode="after")
+    def _served(self) -> _Sampling:
+        if self.n not in (None, 1):
+            raise ValueError("n: this cell returns one choice per request (n=1)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ValueError(f"{name}: penalties are not served by this cell (0 or absent)")
+        stops = self.stops()
+        if len(stops) > MAX_STOP or not all(stops):
+            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else s.MAX_TOKENS_PER_REQUEST
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=s.MAX_TOKENS_PER_REQUEST)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_served(self) -> ChatRequest:
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs: not served by this cell")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools: tool calling is not served by this cell")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format: only {\"type\": \"text\"} is served by this cell")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree: send one")
+        return self
+
+    def limit(self) -> int:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else super().limit()
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _completion_served(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not served by this cell")
+        if self.suffix:
+            raise ValueError("suffix: not served by this cell")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: this cell returns one choice per request (best_of=1)")
+        if self.logprobs is not None:
+            raise ValueError("logprobs: not served by this cell")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise ValueError("prompt: one prompt per request (a batch of prompts is not served)")
+        if not self.prompt:
+            raise ValueError("prompt: must not be empty")
+        return self
+
+
+# ---- errors in OpenAI's shape ----
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          409: "invalid_request_error", 413: "invalid_request_error", 501: "invalid_request_error"}
+
+
+def error_response(e: ContractError) -> web.Response:
+    """A contract error as OpenAI's error body; a prompt over the context tier is a 400 ``context_length_exceeded``,
+    as OpenAI answers it, every other class keeps the contract's status and names itself in ``code``."""
+    status, code = e.http_status, e.kind
+    if isinstance(e, Overflow) and "context_tier" in e.details:
+        status, code = 400, "context_length_exceeded"
+    body = {"error": {"message": e.message, "type": _TYPES.get(status, "server_error"),
+                      "param": e.details.get("field"), "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _validation(e: ValidationError) -> BadRequest:
+    first = e.errors(include_url=False, include_input=False, include_context=False)[0]
+    field = ".".join(str(p) for p in first["loc"]) or "body"
+    msg = "unknown parameter: not served by this cell" if first["type"] == "extra_forbidden" else \
+        first["msg"].removeprefix("Value error, ")
+    return BadRequest(f"{field}: {msg}", field=field.split(":")[0])
+
+
+# ---- the routes ----
+
+class OpenAIRoutes:
+    """The OpenAI routes of one worker (server.Worker: its engine, tokenizer rendering, deadlines, traces, logs)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.w = worker
+
+    @property
+    def model(self) -> str:
+        return str(self.w.metrics.model_name or "modeld")
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/chat/completions", self._guard(self.chat)),
+                web.post("/v1/completions", self._guard(self.completions)),
+                web.get("/v1/models", self._guard(self.models))]
+
+    def _guard(self, fn: Callable[[web.Request], Any]) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            try:
+                return await fn(request)
+            except ContractError as e:
+                # the worker's middleware logs the request; the error is counted here, in this route's shape
+                self.w._observe_error(e)
+                request[LOG].update(status=e.http_status, error=e.kind)
+                return error_response(e)
+        return handler
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.w._ready_engine()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "modeld"}]})
+
+    async def _parse(self, request: web.Request, model: type[_Sampling]) -> Any:
+        raw = await request.read()
+        try:
+            obj = s.loads(raw) if raw.strip() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadRequest(f"malformed JSON: {e}", field="body") from None
+        if not isinstance(obj, dict):
+            raise BadRequest("the body must be a JSON object", field="body")
+        try:
+            body = model.model_validate(obj)
+        except ValidationError as e:
+            raise _validation(e) from None
+        if body.model != self.model:
+            raise NotFound(f"the model {body.model!r} does not exist here; this cell serves {self.model!r}",
+                           field="model")
+        return body
+
+    def _session(self, request: web.Request) -> tuple[str, bool]:
+        """(contract session id, whether it is the client's): the affinity header's, else one of this request's."""
+        for name in AFFINITY_HEADERS:
+            sid = request.headers.get(name)
+            if sid is not None:
+                if not SESSION_ID.fullmatch(sid):
+                    raise BadRequest(f"{name} {sid[:140]!r} must match {s.SESSION_ID_PATTERN}", field=name)
+                return sid, True
+        return f"openai-{uuid.uuid4().hex}", False
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body: ChatRequest = await self._parse(request, ChatRequest)
+        engine = self.w._ready_engine()
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = await asyncio.to_thread(_render_chat, engine.tokenizer, messages, True, False)
+        ids = list(await asyncio.to_thread(engine.tokenizer.encode, text))
+        return await self._run(request, body, ids, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body: CompletionRequest = await self._parse(request, CompletionRequest)
+        engine = self.w._ready_engine()
+        prompt: Any = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(await asyncio.to_thread(engine.tokenizer.encode, prompt))
+        else:
+            self.w._check_ids(prompt, "prompt")
+            ids = list(prompt)
+        if not ids:
+            raise BadRequest("prompt: no tokens to complete from", field="prompt")
+        return await self._run(request, body, ids, "text")
+
+    async def _run(self, request: web.Request, body: _Sampling, ids: list[int], kind: str) -> web.StreamResponse:
+        engine = self.w._ready_engine()
+        sid, affine = self._session(request)
+        request[LOG]["session"] = sid
+        deadline = self.w._deadline(request, body.timeout_s)
+        params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        if affine:
+            await self.w._recover(request, engine, sid, create=True)
+        try:
+            prefix = self.w._trace(request, await engine.ensure_prefix(sid, ids, deadline=deadline,
+                                                                       cache_salt=body.cache_salt))
+            events = engine.decode(sid, params, body.limit(), stop=body.stops(), deadline=deadline)
+            reply = Reply(kind, self.model, ids, prefix, sid)
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return await self._stream(request, reply, events, include_usage)
+            return await self._collect(request, reply, events)
+        finally:
+            if not affine:                                        # a session of this request only
+                with contextlib.suppress(ContractError):
+                    engine.close_session(sid)
+
+    async def _collect(self, request: web.Request, reply: Reply, events: AsyncIterator[Any]) -> web.Response:
+        pieces: list[str] = []
+        try:
+            async for ev in events:
+                pieces.append(ev.text or "")
+                if ev.done:
+                    reply.finish(self.w._trace(request, ev.trace), ev.finish_reason)
+                    return web.json_response(reply.whole("".join(pieces)))
+        finally:
+            await _aclose(events)
+        raise Fatal("the engine ended decoding without a done event", session_id=reply.sid)
+
+    async def _stream(self, request: web.Request, reply: Reply, events: AsyncIterator[Any],
+                      include_usage: bool) -> web.StreamResponse:
+        try:
+            ev = await events.__anext__()          # refusals before the first byte keep their own status
+        except BaseException:
+            await _aclose(events)
+            raise
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+
+        async def send(obj: Any) -> None:
+            await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+
+        try:
+            if reply.kind == "chat":
+                await send(reply.chunk({"role": "assistant", "content": ""}))
+            while True:
+                if ev.done:
+                    reply.finish(self.w._trace(request, ev.trace), ev.finish_reason)
+                    await send(reply.chunk(ev.text or "", reply.finish_reason))
+                    if include_usage:
+                        await send(reply.usage_chunk())
+                    break
+                if ev.text:
+                    await send(reply.chunk(ev.text))
+                ev = await events.__anext__()
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionError:
+            request[LOG]["finish"] = "client_gone"
+        except ContractError as e:
+            self.w._observe_error(e)
+            request[LOG]["error"] = e.kind
+            with contextlib.suppress(ConnectionError):
+                await resp.write(f"data: {error_response(e).text}\n\n".encode())
+        finally:
+            await _aclose(events)
+        with contextlib.suppress(ConnectionError):
+            await resp.write_eof()
+        return resp
+
+
+class Reply:
+    """One response being built: its id, the prompt's accounting, then the decode's."""
+
+    def __init__(self, kind: str, model: str, prompt: list[int], prefix: dict[str, Any], sid: str) -> None:
+        self.kind, self.model, self.prompt, self.prefix, self.sid = kind, model, prompt, prefix, sid
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.decode: dict[str, Any] = {}
+        self.finish_reason: str | None = None
+
+    def finish(self, decode: dict[str, Any], reason: str | None) -> None:
+        self.decode, self.finish_reason = decode, reason or "stop"
+
+    def usage(self) -> dict[str, Any]:
+        completion = int(self.decode.get("completion_tokens") or 0)
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
+                "total_tokens": len(self.prompt) + completion,
+                "prompt_tokens_details": {"cached_tokens": int(self.prefix.get("tokens_reused") or 0)}}
+
+    def _extension(self) -> dict[str, Any]:
+        return {"session_id": self.sid, "prefix": self.prefix, "decode": self.decode}
+
+    def whole(self, text: str) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self.usage(), "modeld": self._extension()}
+
+    def chunk(self, delta: str | dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        if self.kind == "chat":
+            d = delta if isinstance(delta, dict) else ({"content": delta} if delta or finish is None else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta if isinstance(delta, str) else "", "logprobs": None,
+                      "finish_reason": finish}
+            obj = "text_completion"
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        if finish is not None:
+            out["modeld"] = self._extension()
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
+                "usage": self.usage()}
