@@ -12,7 +12,10 @@
 #                         synthetic model with SmolLM2-135M's shapes (the real GGUF is 93 MB, over a call's 64 MiB):
 #                         first output and decode ms/token at 8k and 32k, greedy agreement. It needs pydantic: carry
 #                         the wheels hack/gpu-wheels.sh puts in .whl/ (installed here with pip --no-index)
-#   5. steps.json         each step's exit status and seconds
+#   5. nvml.json          the node labeler's NVML reader (modeld_operator/labeler.py) on this machine's GPUs and the
+#                         labels it would write (needs nvidia-ml-py: hack/gpu-wheels.sh carries it in .whl too);
+#                         in a dry run there is no NVML and the step says so
+#   6. steps.json         each step's exit status and seconds
 set -o errexit -o nounset -o pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -95,12 +98,33 @@ engine_step() {
   fi
 }
 
-export -f env_step tests_step bench_step engine_step
+nvml_step() {
+  if [[ $DRY == 1 ]]; then
+    echo '{"skipped": "dry run: no NVIDIA driver, no NVML"}' | tee "$OUT/nvml.json"
+    return 0
+  fi
+  if [[ -d .whl ]] && ! "$PYTHON" -c 'import pynvml, pydantic' 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/modeld-site \
+      .whl/*.whl
+    export PYTHONPATH="/tmp/modeld-site:$PYTHONPATH"
+  fi
+  PYTHONPATH="$PWD/operator:$PYTHONPATH" "$PYTHON" - "$OUT/nvml.json" <<'PY'
+import dataclasses, json, sys
+from modeld_operator.labeler import label_patch, read_nvml
+reading = read_nvml()
+out = {"reading": dataclasses.asdict(reading), "labels": label_patch({}, reading)}
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(out["labels"]))
+PY
+}
+
+export -f env_step tests_step bench_step engine_step nvml_step
 export DRY OUT PYTHON
 run_step env 30 env_step
 run_step kernel-tests 150 tests_step
 run_step kernels 300 bench_step
 run_step engine 240 engine_step
+run_step nvml 30 nvml_step
 ( IFS=,; echo "{${steps[*]}}" ) > "$OUT/steps.json"
 cat "$OUT/steps.json"
 if grep -q '"rc": [1-9]' "$OUT/steps.json"; then

@@ -23,7 +23,9 @@ def test_lint(cluster):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("values", [[], ["--set", "watchNamespace=agents"], ["--set", "metrics.enabled=false"]], ids=["default", "namespaced", "no-metrics"])
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespace=agents"], ["--set", "metrics.enabled=false"],
+                                    ["--set", "labeler.enabled=true"]],
+                         ids=["default", "namespaced", "no-metrics", "labeler"])
 def test_template_accepted_by_apiserver(cluster, chart, values):
     docs = rendered(cluster, *values)
     text = yaml.safe_dump_all(docs)
@@ -34,7 +36,7 @@ def test_template_accepted_by_apiserver(cluster, chart, values):
 
 
 def test_rbac_is_least_privilege(cluster):
-    for values in ([], ["--set", "watchNamespace=agents"]):
+    for values in ([], ["--set", "watchNamespace=agents"], ["--set", "labeler.enabled=true"]):
         for doc in rendered(cluster, *values):
             if doc["kind"] in ("ClusterRole", "Role"):
                 for rule in doc["rules"]:
@@ -56,12 +58,28 @@ def test_replicas_elect_a_leader_with_a_lease_in_the_release_namespace_only(clus
                               "verbs": ["get", "create", "update"]}]
 
 
+def test_the_node_labeler_is_opt_in_and_may_only_read_and_label_nodes(cluster):
+    assert not [d for d in rendered(cluster) if d["kind"] == "DaemonSet"]
+    docs = rendered(cluster, "--set", "labeler.enabled=true", "--set", "labeler.runtimeClassName=nvidia")
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert container["command"] == ["modeld-labeler"] and pod["runtimeClassName"] == "nvidia"
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-labeler")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert pod["serviceAccountName"] == role["metadata"]["name"]
+
+
 def test_values_schema_rejects_bad_values(cluster):
     for bad, message in [
         (["--set", "replicaCount=9"], "replicaCount"),
         (["--set", "operator.logFormat=xml"], "logFormat"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "unknownKey=1"], "unknownKey"),
+        (["--set", "labeler.intervalSeconds=1"], "intervalSeconds"),
     ]:
         res = cluster.run("helm", "template", "modeld", CHART, "--kube-version", "1.34.4", *bad, check=False)
         assert res.returncode != 0 and message in res.stderr, res.stderr

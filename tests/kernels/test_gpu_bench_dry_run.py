@@ -24,7 +24,7 @@ def test_dry_run_runs_every_step(tmp_path):
                        timeout=500)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert set(steps) == {"env", "kernel-tests", "kernels", "engine"} and all(s["rc"] == 0 for s in steps.values()), steps
+    assert set(steps) == {"env", "kernel-tests", "kernels", "engine", "nvml"} and all(s["rc"] == 0 for s in steps.values()), steps
     assert json.loads((tmp_path / "env.json").read_text())["dry_run"] is True
     assert "passed" in (tmp_path / "kernels-tests.txt").read_text()
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
