@@ -437,6 +437,9 @@ class CellStatus(_Model):
     endpoints: list[Endpoint] = Field(default_factory=list, description="Worker endpoints.")
     nodes: list[str] = Field(default_factory=list, description="Nodes that satisfy the cell's topology.")
     sessions: int = Field(default=0, description="Sessions bound to this cell.")
+    service: str | None = Field(default=None, description="The cell's Service (cell-<name>, same namespace): one "
+                                "address over its ready workers for clients that need no particular one; a Session's "
+                                "own endpoint is its worker's.")
     certification: Certification | None = Field(default=None, description="Latest certification on this topology.")
     conditions: list[Condition] = Field(default_factory=list, description="Served, Scheduled, Ready, Certified.")
 

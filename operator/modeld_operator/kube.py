@@ -145,6 +145,24 @@ def apply_deployment(manifest: dict[str, Any]) -> None:
         _raise(exc, f"updating deployment {name}")
 
 
+def apply_service(manifest: dict[str, Any]) -> None:
+    """Create, or patch its selector, ports and labels (a Service's clusterIP stays as the apiserver gave it)."""
+    name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+    core = client.CoreV1Api(api_client())
+    try:
+        core.create_namespaced_service(namespace, manifest, _request_timeout=TIMEOUT)  # type: ignore[arg-type]
+        return
+    except ApiException as exc:
+        if exc.status != 409:
+            _raise(exc, f"creating service {name}")
+    patch = {"metadata": {"labels": manifest["metadata"]["labels"]},
+             "spec": {"selector": manifest["spec"]["selector"], "ports": manifest["spec"]["ports"]}}
+    try:
+        core.patch_namespaced_service(name, namespace, patch, _request_timeout=TIMEOUT)
+    except ApiException as exc:
+        _raise(exc, f"updating service {name}")
+
+
 def stop_deployment(namespace: str, name: str) -> None:
     """Scale a Deployment to no pods; absent is fine (nothing to stop, nothing written). The operator never deletes:
     its RBAC has no delete verb (tests/e2e/test_chart.py), and the Deployment goes with its Cell by owner reference.

@@ -246,6 +246,22 @@ def deployment(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any]:
     }
 
 
+def service(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any]:
+    """The Cell's Service: a stable address over its ready pods for clients that need no particular pod (an
+    OpenAI-style client that sends its whole conversation, or a gateway in front). A client that keeps a session on
+    one worker uses the Session's own endpoint, or a gateway with session affinity (docs/operator.md, "Routing")."""
+    ports = [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}]
+    ports += [{"name": f"http-copy{i}", "port": spec.port + i, "targetPort": f"http-copy{i}", "protocol": "TCP"}
+              for i in range(1, copies_of(spec))]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": deployment_name(name), "namespace": namespace,
+                     "labels": {api.LABEL_CELL: name, api.LABEL_MANAGED_BY: "modeld"}},
+        "spec": {"type": "ClusterIP", "selector": {api.LABEL_CELL: name}, "ports": ports},
+    }
+
+
 # --- Sessions -------------------------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from .conftest import LEASE_DURATION_S, OPERATORS, RELEASE_NS, start_operator, wait_until
@@ -228,6 +229,13 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
     cluster.apply(cpu_cell("cpu", 2048), namespace)
     wait_until("the CPU cell Ready (a real worker on its pod IP)",
                lambda: status_of(cluster, namespace, "cell", "cpu").get("phase") == "Ready", timeout=300)
+    # A stable address per Cell: its Service selects the worker pods (the controller-manager lists their pod IPs).
+    svc = cluster.get("service", "cell-cpu", namespace)
+    assert svc["spec"]["selector"] == {"modeld.contenox.io/cell": "cpu"} and svc["spec"]["ports"][0]["port"] == 8080
+    assert status_of(cluster, namespace, "cell", "cpu")["service"] == "cell-cpu"
+    (pod,) = pods_of(cluster, namespace, "cpu")
+    wait_until("the Service's endpoints list the worker", lambda: pod["status"]["podIP"] in json.dumps(
+        cluster.get("endpointslices", namespace=namespace, selector="kubernetes.io/service-name=cell-cpu")), timeout=60)
 
     cluster.apply(session("fits", 1500), namespace)
     cluster.apply(session("too-long", 4096), namespace)
@@ -252,6 +260,18 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
     prefix = post(f"{st['endpoint']}/v1/sessions/{sid}/prefix", {"text": "The capital of France is"})
     out = post(f"{st['endpoint']}/v1/sessions/{sid}/decode", {"max_tokens": 4})
     assert out["trace"]["completion_tokens"] >= 1 and prefix["trace"]["prompt_tokens"] > 0
+    # The official openai client through the binding: the Session's endpoint, its session id as the affinity header;
+    # the re-sent conversation's earlier turn is served from the session's KV.
+    oa = openai.OpenAI(base_url=f"{st['endpoint']}/v1", api_key="unused", max_retries=0, timeout=120)
+    (model,) = [m.id for m in oa.models.list().data]
+    chat = [{"role": "user", "content": "Name a colour."}]
+    first = oa.chat.completions.create(model=model, messages=chat, max_tokens=4, temperature=0,
+                                       extra_headers={"x-session-id": sid})
+    chat += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Another?"}]
+    second = oa.chat.completions.create(model=model, messages=chat, max_tokens=4, temperature=0,
+                                        extra_headers={"x-session-id": sid})
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.model_extra["modeld"]["session_id"] == sid
     wait_until("the cell counts its session", lambda: status_of(cluster, namespace, "cell", "cpu").get("sessions") == 1, timeout=30)
 
     cluster.kubectl("delete", "session", "fits", "-n", namespace, "--timeout=60s")

@@ -123,6 +123,19 @@ def test_deployment_requests_gpus_and_carries_spec():
     assert dep["spec"]["selector"]["matchLabels"] == {api.LABEL_CELL: "big"}
 
 
+def test_a_cells_service_selects_its_pods_on_every_port_they_serve():
+    svc = placement.service("big", "ns", cell_spec(port=9000))
+    pods = placement.deployment("big", "ns", cell_spec(port=9000))["spec"]["template"]
+    assert svc["metadata"]["name"] == "cell-big" and svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["selector"].items() <= pods["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+    data = cell_spec(runtime={"backend": "torch", "parallelism": "data", "ranks": 3},
+                     topology={"gpus": 0, "interconnect": "none"})
+    named = {p["name"] for p in placement.pod_template("d", "ns", data)["spec"]["containers"][0]["ports"]}
+    ports = placement.service("d", "ns", data)["spec"]["ports"]
+    assert [p["port"] for p in ports] == [8080, 8081, 8082] and {p["targetPort"] for p in ports} == named
+
+
 def test_cpu_cell_pod_has_no_gpu_or_toleration():
     spec = cell_spec(runtime={"backend": "torch"}, topology={"gpus": 0, "interconnect": "none"})
     pod = placement.pod_template("c", "ns", spec)

@@ -218,6 +218,7 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         readyReplicas=ready,
         endpoints=endpoints,
         nodes=plan.nodes,
+        service=placement.deployment_name(name) if d.served[0] else None,
         sessions=sessions,
         certification=api.Certification.model_validate(cert) if cert else None,
         conditions=[api.Condition.model_validate(c) for c in conditions],
@@ -258,6 +259,9 @@ def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec
     manifest = placement.deployment(name, namespace, cell)
     kopf.append_owner_reference(manifest, owner=body)
     kube.apply_deployment(manifest)
+    svc = placement.service(name, namespace, cell)
+    kopf.append_owner_reference(svc, owner=body)
+    kube.apply_service(svc)
     plan = refresh_status(name, namespace, body, cell, idx, kw["patch"])
     metrics.RECONCILES.labels("cell", "ok" if plan.schedulable else "waiting").inc()
     if not plan.schedulable and cell.replicas:
