@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,40 @@ def test_the_node_labeler_is_opt_in_and_may_only_read_and_label_nodes(cluster):
     assert pod["serviceAccountName"] == role["metadata"]["name"]
 
 
+def test_monitoring_renders_a_service_monitor_a_pod_monitor_and_the_dashboard(cluster):
+    """Off by default; on, each object points at what the chart and the operator really serve. The monitors' kinds
+    need the Prometheus Operator's CRDs, which the local cluster lacks: they are checked as rendered; the dashboard's
+    ConfigMap is also accepted by the apiserver."""
+    assert not [d for d in rendered(cluster) if d["kind"] in ("ServiceMonitor", "PodMonitor", "ConfigMap")]
+    docs = rendered(cluster, "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.podMonitor.enabled=true",
+                    "--set", "monitoring.dashboards.enabled=true", "--set", "monitoring.podMonitor.labels.release=prom")
+    kinds = {d["kind"]: d for d in docs}
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics"))
+    sm = kinds["ServiceMonitor"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == [p["name"] for p in svc["spec"]["ports"]]
+    pm = kinds["PodMonitor"]
+    assert pm["metadata"]["labels"]["release"] == "prom" and pm["spec"]["namespaceSelector"] == {"any": True}
+    # the cell pods' labels and every port a worker (or a data-parallel copy) serves on
+    from modeld_api import CellSpec
+    from modeld_operator import placement
+    spec = CellSpec.model_validate({"runtime": {"backend": "torch", "parallelism": "data", "ranks": 16},
+                                    "topology": {"gpus": 0, "interconnect": "none"},
+                                    "model": {"family": "smollm2", "ref": "x"}, "contextTier": 1024})
+    pod = placement.pod_template("c", "ns", spec)
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == [
+        p["name"] for p in pod["spec"]["containers"][0]["ports"]]
+    cm = kinds["ConfigMap"]
+    dashboard = Path(CHART) / "dashboards" / "modeld.json"
+    assert json.loads(cm["data"]["modeld.json"]) == json.loads(dashboard.read_text())
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    res = cluster.kubectl("apply", "--dry-run=server", "-n", RELEASE_NS, "-f", "-", input=yaml.safe_dump(cm), check=False)
+    assert res.returncode == 0, res.stderr
+    scoped = rendered(cluster, "--set", "monitoring.podMonitor.enabled=true", "--set", "watchNamespace=agents")
+    assert next(d for d in scoped if d["kind"] == "PodMonitor")["spec"]["namespaceSelector"] == {"matchNames": ["agents"]}
+
+
 def test_values_schema_rejects_bad_values(cluster):
     for bad, message in [
         (["--set", "replicaCount=9"], "replicaCount"),
@@ -80,6 +115,7 @@ def test_values_schema_rejects_bad_values(cluster):
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "unknownKey=1"], "unknownKey"),
         (["--set", "labeler.intervalSeconds=1"], "intervalSeconds"),
+        (["--set", "monitoring.podMonitor.interval=often"], "interval"),
     ]:
         res = cluster.run("helm", "template", "modeld", CHART, "--kube-version", "1.34.4", *bad, check=False)
         assert res.returncode != 0 and message in res.stderr, res.stderr

@@ -239,6 +239,8 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
     if changed_ready and ready_cond[0]:
         kopf.event(body, type="Normal", reason="Ready", message=ready_cond[2])
     metrics.CELL_READY_REPLICAS.labels(namespace, name).set(ready)
+    certified = (get_condition(conditions, "Certified") or {}).get("status")
+    metrics.CELL_CERTIFIED.labels(namespace, name).set({"True": 1, "False": 0}.get(str(certified), -1))
     return plan
 
 
@@ -306,6 +308,7 @@ def release_sessions(name: str, namespace: str | None, **kw: Any) -> None:
     """The Deployment goes with its owner; sessions bound here go back to Pending and get rebound."""
     namespace = kube.namespaced(namespace)
     _PLANS.pop((namespace, name), None)
+    metrics.forget_cell(namespace, name)
     # the index, and the label (one list per deleted Cell): a session whose bind landed as the Cell went may be in
     # only one of them yet, and no timer would ever check a binding to a Cell that is gone
     names = {s.name for s in store(Indexes.of(kw).sessions, (namespace, name))}
