@@ -351,17 +351,19 @@ class Engine:
         return tr
 
     def decode(self, session_id: str, params: SamplingParams, max_tokens: int, stop_token_ids: Sequence[int] = (),
-               stop: Sequence[str] = (), deadline: float | None = None) -> AsyncIterator[DecodeEvent]:
+               stop: Sequence[str] = (), deadline: float | None = None,
+               ignore_eos: bool = False) -> AsyncIterator[DecodeEvent]:
         """Arguments are validated here (BadRequest / NotFound raised by the call itself); Conflict, Overflow,
-        Timeout and Fatal are raised from the iteration."""
+        Timeout and Fatal are raised from the iteration. ``ignore_eos``: the model's EOS tokens do not end the output
+        (vLLM's name; benchmarks fix the output length with it)."""
         self._check_ready()
         try:
             stop_ids, stops = validate_decode(params, max_tokens, stop_token_ids, stop, self.vocab_size)
         except errors.BadRequest as e:
             raise self._err(e) from None
         self._session(session_id)
-        return self._decode_gen(session_id, params, max_tokens, set(stop_ids) | set(self.tokenizer.eos_token_ids),
-                                stops, deadline)
+        eos = set() if ignore_eos else set(self.tokenizer.eos_token_ids)
+        return self._decode_gen(session_id, params, max_tokens, set(stop_ids) | eos, stops, deadline)
 
     async def _decode_gen(self, session_id: str, params: SamplingParams, max_tokens: int, stop_ids: set[int],
                           stop: list[str], deadline: float | None) -> AsyncIterator[DecodeEvent]:

@@ -1,5 +1,6 @@
 """OpenAI-compatible routes on the same engine: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or SSE
-with ``stream``) and ``GET /v1/models``, so existing clients, gateways and load tools can talk to a cell.
+with ``stream``), ``GET /v1/models`` and vLLM's ``GET /health``, so existing clients, gateways and load tools can
+talk to a cell.
 
 Each request is the session contract underneath: the prompt (chat messages rendered with the model's template, or a
 completion prompt as text or token ids) goes to EnsurePrefix, the reply comes from Decode. **Session affinity**: with
@@ -48,6 +49,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False      # vLLM's: usage so far on every chunk
 
 
 class TextPart(_Request):
@@ -81,6 +83,7 @@ class _Sampling(_Request):
     user: str | None = Field(default=None, max_length=256)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256,
                                    description="vLLM's name: the cache scope this request's prompt shares blocks in.")
+    ignore_eos: bool = Field(default=False, description="vLLM's: EOS does not end the output (max_tokens does).")
     timeout_s: float | None = Field(default=None, gt=0, le=s.MAX_TIMEOUT_S)
 
     @model_validator(mode="after")
@@ -196,7 +199,14 @@ class OpenAIRoutes:
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/chat/completions", self._guard(self.chat)),
                 web.post("/v1/completions", self._guard(self.completions)),
-                web.get("/v1/models", self._guard(self.models))]
+                web.get("/v1/models", self._guard(self.models)),
+                web.get("/health", self._guard(self.health))]
+
+    async def health(self, request: web.Request) -> web.Response:
+        """vLLM's health route, which OpenAI-API load tools and gateways probe: 200 once the worker serves (the
+        contract's /readyz, without its body), else the error that says why."""
+        self.w._ready_engine()
+        return web.json_response({})
 
     def _guard(self, fn: Callable[[web.Request], Any]) -> Callable[[web.Request], Any]:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -276,11 +286,11 @@ class OpenAIRoutes:
         try:
             prefix = self.w._trace(request, await engine.ensure_prefix(sid, ids, deadline=deadline,
                                                                        cache_salt=body.cache_salt))
-            events = engine.decode(sid, params, body.limit(), stop=body.stops(), deadline=deadline)
+            events = engine.decode(sid, params, body.limit(), stop=body.stops(), deadline=deadline,
+                                   ignore_eos=body.ignore_eos)
             reply = Reply(kind, self.model, ids, prefix, sid)
             if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return await self._stream(request, reply, events, include_usage)
+                return await self._stream(request, reply, events, body.stream_options or StreamOptions())
             return await self._collect(request, reply, events)
         finally:
             if not affine:                                        # a session of this request only
@@ -300,7 +310,7 @@ class OpenAIRoutes:
         raise Fatal("the engine ended decoding without a done event", session_id=reply.sid)
 
     async def _stream(self, request: web.Request, reply: Reply, events: AsyncIterator[Any],
-                      include_usage: bool) -> web.StreamResponse:
+                      options: StreamOptions) -> web.StreamResponse:
         try:
             ev = await events.__anext__()          # refusals before the first byte keep their own status
         except BaseException:
@@ -310,7 +320,11 @@ class OpenAIRoutes:
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
 
+        generated = 0
+
         async def send(obj: Any) -> None:
+            if options.continuous_usage_stats and "usage" not in obj:     # the last chunk counts stop tokens too
+                obj["usage"] = reply.usage(None if reply.finish_reason else generated)
             await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
 
         try:
@@ -320,9 +334,10 @@ class OpenAIRoutes:
                 if ev.done:
                     reply.finish(self.w._trace(request, ev.trace), ev.finish_reason)
                     await send(reply.chunk(ev.text or "", reply.finish_reason))
-                    if include_usage:
+                    if options.include_usage:
                         await send(reply.usage_chunk())
                     break
+                generated += 1
                 if ev.text:
                     await send(reply.chunk(ev.text))
                 ev = await events.__anext__()
@@ -354,8 +369,9 @@ class Reply:
     def finish(self, decode: dict[str, Any], reason: str | None) -> None:
         self.decode, self.finish_reason = decode, reason or "stop"
 
-    def usage(self) -> dict[str, Any]:
-        completion = int(self.decode.get("completion_tokens") or 0)
+    def usage(self, so_far: int | None = None) -> dict[str, Any]:
+        """The request's usage; ``so_far``: tokens generated until now, for a chunk before the last."""
+        completion = int(self.decode.get("completion_tokens") or 0) if so_far is None else so_far
         return {"prompt_tokens": len(self.prompt), "completion_tokens": completion,
                 "total_tokens": len(self.prompt) + completion,
                 "prompt_tokens_details": {"cached_tokens": int(self.prefix.get("tokens_reused") or 0)}}

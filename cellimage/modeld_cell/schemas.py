@@ -177,6 +177,9 @@ class DecodeRequest(_Request):
     stop_token_ids: list[TokenId] = Field(
         default_factory=list, max_length=64, description="Token ids that end the output (besides the model's EOS)."
     )
+    ignore_eos: bool = Field(default=False, description="Keep generating past the model's EOS tokens (they stay in "
+                             "the output), so max_tokens alone ends it, as vLLM's ignore_eos; benchmarks use it to fix "
+                             "the output length. stop and stop_token_ids still end it.")
     stream: bool = Field(default=False, description="Server-sent events (token, then done or error) instead of one JSON.")
     timeout_s: TimeoutS = None
 

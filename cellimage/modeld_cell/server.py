@@ -244,7 +244,7 @@ class Worker:
         params = _sampling_params(body)
         await self._recover(request, engine, sid)
         events = engine.decode(sid, params, body.max_tokens, stop_token_ids=list(body.stop_token_ids),
-                               stop=list(body.stop), deadline=deadline)
+                               stop=list(body.stop), deadline=deadline, ignore_eos=body.ignore_eos)
         if body.stream:
             return await self._stream(request, sid, events)
         ids: list[int] = []

@@ -34,9 +34,10 @@ async def _contract_reply(client, sid: str, messages: list[dict], max_tokens: in
     return out["tokens"], out["text"]
 
 
-async def test_models_lists_the_served_model(oa):
+async def test_models_lists_the_served_model_and_health_answers(oa, client):
     models = await oa.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert await call(client, "GET", "/health") == (200, {})
 
 
 async def test_chat_completion_equals_the_contracts_greedy_reply(oa, client):
@@ -105,6 +106,25 @@ async def test_a_resent_conversation_on_its_session_reuses_the_kv_of_what_was_se
         await call(client, "DELETE", f"/v1/sessions/{sid}")
 
 
+async def test_ignore_eos_runs_to_max_tokens_and_usage_streams_with_every_chunk(oa):
+    """vLLM's extensions that load tools send (guidellm does): ignore_eos fixes the output length,
+    stream_options.continuous_usage_stats puts the usage so far on every chunk."""
+    messages = [{"role": "user", "content": "Reply with the single word OK."}]
+    plain = await oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    fixed = await oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert fixed.usage.completion_tokens == 40 and fixed.choices[0].finish_reason == "length"
+    if plain.choices[0].finish_reason == "stop":            # it ended at EOS: the same start, then past it
+        assert plain.usage.completion_tokens < 40
+    stream = await oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+                                              stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                              extra_body={"ignore_eos": True})
+    chunks = [c async for c in stream]
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].usage.prompt_tokens == fixed.usage.prompt_tokens
+
+
 async def test_completions_take_text_or_token_ids_plain_and_streamed(oa, client):
     status, tok = await call(client, "POST", "/v1/tokenize", {"text": "The capital of France is"})
     assert status == 200
@@ -156,3 +176,16 @@ async def test_errors_have_openais_shape_and_status(oa, client):
     assert info.value.body["param"] == "x-session-id"
     status, body = await call(client, "POST", "/v1/chat/completions", raw=b"{not json")
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_the_contracts_decode_takes_ignore_eos_too(client):
+    sid = new_sid()
+    try:
+        status, _ = await call(client, "POST", f"/v1/sessions/{sid}/prefix",
+                               {"messages": [{"role": "user", "content": "Reply with the single word OK."}],
+                                "add_generation_prompt": True})
+        assert status == 200
+        status, out = await call(client, "POST", f"/v1/sessions/{sid}/decode", {"max_tokens": 30, "ignore_eos": True})
+        assert status == 200 and out["trace"]["completion_tokens"] == 30 and out["finish_reason"] == "length", out
+    finally:
+        await call(client, "DELETE", f"/v1/sessions/{sid}")
