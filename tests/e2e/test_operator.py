@@ -272,6 +272,11 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
                                         extra_headers={"x-session-id": sid})
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
     assert second.model_extra["modeld"]["session_id"] == sid
+    streamed = oa.chat.completions.create(model=model, messages=chat, max_tokens=4, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}, extra_headers={"x-session-id": sid})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == second.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens   # all of it, now
     wait_until("the cell counts its session", lambda: status_of(cluster, namespace, "cell", "cpu").get("sessions") == 1, timeout=30)
 
     cluster.kubectl("delete", "session", "fits", "-n", namespace, "--timeout=60s")
