@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from . import schemas as s
 from .contract import SamplingParams
@@ -86,19 +86,19 @@ class _Sampling(_Request):
     ignore_eos: bool = Field(default=False, description="vLLM's: EOS does not end the output (max_tokens does).")
     timeout_s: float | None = Field(default=None, gt=0, le=s.MAX_TIMEOUT_S)
 
-    @model_validator(mode="after")
-    def _served(self) -> _Sampling:
+    def refused(self) -> tuple[str, str] | None:
+        """(parameter, why) for the first value this cell does not serve, else None: a 400 naming it."""
         if self.n not in (None, 1):
-            raise ValueError("n: this cell returns one choice per request (n=1)")
+            return "n", "this cell returns one choice per request (n=1)"
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name}: penalties are not served by this cell (0 or absent)")
+                return name, "penalties are not served by this cell (0 or absent)"
         stops = self.stops()
         if len(stops) > MAX_STOP or not all(stops):
-            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
+            return "stop", f"at most {MAX_STOP} non-empty strings"
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only with stream=true")
-        return self
+            return "stream_options", "only with stream=true"
+        return None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -117,18 +117,17 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _chat_served(self) -> ChatRequest:
+    def refused(self) -> tuple[str, str] | None:
         if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs: not served by this cell")
+            return "logprobs", "not served by this cell"
         if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools: tool calling is not served by this cell")
+            return "tools", "tool calling is not served by this cell"
         if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format: only {\"type\": \"text\"} is served by this cell")
+            return "response_format", "only {\"type\": \"text\"} is served by this cell"
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree: send one")
-        return self
+            return "max_completion_tokens", "max_tokens and max_completion_tokens disagree: send one"
+        return super().refused()
 
     def limit(self) -> int:
         return self.max_completion_tokens if self.max_completion_tokens is not None else super().limit()
@@ -141,22 +140,21 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     logprobs: int | None = None
 
-    @model_validator(mode="after")
-    def _completion_served(self) -> CompletionRequest:
+    def refused(self) -> tuple[str, str] | None:
         if self.echo:
-            raise ValueError("echo: not served by this cell")
+            return "echo", "not served by this cell"
         if self.suffix:
-            raise ValueError("suffix: not served by this cell")
+            return "suffix", "not served by this cell"
         if self.best_of not in (None, 1):
-            raise ValueError("best_of: this cell returns one choice per request (best_of=1)")
+            return "best_of", "this cell returns one choice per request (best_of=1)"
         if self.logprobs is not None:
-            raise ValueError("logprobs: not served by this cell")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: one prompt per request (a batch of prompts is not served)")
+            return "logprobs", "not served by this cell"
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
+                and len(self.prompt) != 1:
+            return "prompt", "one prompt per request (a batch of prompts is not served)"
         if not self.prompt:
-            raise ValueError("prompt: must not be empty")
-        return self
+            return "prompt", "must not be empty"
+        return super().refused()
 
 
 # ---- errors in OpenAI's shape ----
@@ -174,14 +172,6 @@ def error_response(e: ContractError) -> web.Response:
     body = {"error": {"message": e.message, "type": _TYPES.get(status, "server_error"),
                       "param": e.details.get("field"), "code": code}}
     return web.json_response(body, status=status)
-
-
-def _validation(e: ValidationError) -> BadRequest:
-    first = e.errors(include_url=False, include_input=False, include_context=False)[0]
-    field = ".".join(str(p) for p in first["loc"]) or "body"
-    msg = "unknown parameter: not served by this cell" if first["type"] == "extra_forbidden" else \
-        first["msg"].removeprefix("Value error, ")
-    return BadRequest(f"{field}: {msg}", field=field.split(":")[0])
 
 
 # ---- the routes ----
@@ -225,17 +215,9 @@ class OpenAIRoutes:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "modeld"}]})
 
     async def _parse(self, request: web.Request, model: type[_Sampling]) -> Any:
-        raw = await request.read()
-        try:
-            obj = s.loads(raw) if raw.strip() else {}
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise BadRequest(f"malformed JSON: {e}", field="body") from None
-        if not isinstance(obj, dict):
-            raise BadRequest("the body must be a JSON object", field="body")
-        try:
-            body = model.model_validate(obj)
-        except ValidationError as e:
-            raise _validation(e) from None
+        body = await self.w._body(request, model)     # the contract's reading: JSON as JSON Schema reads it
+        if (refusal := body.refused()) is not None:
+            raise BadRequest(f"{refusal[0]}: {refusal[1]}", field=refusal[0])
         if body.model != self.model:
             raise NotFound(f"the model {body.model!r} does not exist here; this cell serves {self.model!r}",
                            field="model")

@@ -161,6 +161,7 @@ async def test_what_the_cell_does_not_serve_is_refused_naming_the_parameter(oa, 
                                          **kwargs)
     err = info.value.body
     assert param in err["message"] and err["type"] == "invalid_request_error" and err["code"] == "bad_request"
+    assert err["param"] == param, err
 
 
 async def test_errors_have_openais_shape_and_status(oa, client):
