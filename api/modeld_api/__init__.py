@@ -33,6 +33,9 @@ FINALIZER = f"{GROUP}/finalizer"
 ANNOTATION_CERTIFY_TIERS = f"{GROUP}/certify-tiers"  # e.g. "1024,4096": context tiers the certification Job measures
 ANNOTATION_CERTIFY_ARGS = f"{GROUP}/certify-args"  # e.g. "--repeats 1 --agent-turns 2": workload size of the Job
 LABEL_CERTIFIES = f"{GROUP}/certifies"  # on a certification Job and its pod: the Cell it measures
+# A Cell's status names at most this many fitting nodes (and counts them all): in a cluster of 500 GPU nodes the full
+# list went into every status write and every watch event of every Cell
+STATUS_NODES_MAX = 32
 # On a cell's pod: a hash of the spec its worker runs, so certification measures only a worker of the spec as it is
 # now, never one of the spec before a change that the Deployment has not replaced yet
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
@@ -435,7 +438,9 @@ class CellStatus(_Model):
     replicas: int = Field(default=0, description="Pods that exist.")
     readyReplicas: int = Field(default=0, description="Pods whose worker is ready.")
     endpoints: list[Endpoint] = Field(default_factory=list, description="Worker endpoints.")
-    nodes: list[str] = Field(default_factory=list, description="Nodes that satisfy the cell's topology.")
+    nodes: list[str] = Field(default_factory=list, max_length=STATUS_NODES_MAX, description="Nodes that satisfy the "
+                             f"cell's topology: the first {STATUS_NODES_MAX} by name (nodeCount says how many in all).")
+    nodeCount: int = Field(default=0, ge=0, description="How many nodes satisfy the cell's topology.")
     sessions: int = Field(default=0, description="Sessions bound to this cell.")
     service: str | None = Field(default=None, description="The cell's Service (cell-<name>, same namespace): one "
                                 "address over its ready workers for clients that need no particular one; a Session's "

@@ -86,6 +86,18 @@ def test_a_binding_is_alive_while_its_endpoint_is_ready_and_the_same_process():
     assert not alive(BoundSession("s", "http://127.0.0.1:1", "i1"), down)     # not ready
 
 
+def test_a_cells_status_names_at_most_a_few_fitting_nodes_and_counts_them_all(monkeypatch):
+    monkeypatch.setattr(cell_handlers, "_PLANS", {})
+    monkeypatch.setattr(cell_handlers.kube, "patch_status", lambda *a: None)
+    monkeypatch.setattr(cell_handlers.kopf, "event", lambda *a, **kw: None)
+    nodes = [placement.NodeView(f"n{i:03d}", {api.LABEL_INTERCONNECT: "none"}, 0, True) for i in range(500)]
+    idx = cell_handlers.Indexes({"all": nodes}, {}, {}, {})  # type: ignore[arg-type]
+    patch: dict = {}
+    body = {"metadata": {"name": "c", "namespace": "ns", "generation": 1}, "status": {}}
+    cell_handlers.refresh_status("c", "ns", body, api.CellSpec.model_validate(SPEC), idx, patch)  # type: ignore[arg-type]
+    assert patch["status"]["nodeCount"] == 500 and patch["status"]["nodes"] == [f"n{i:03d}" for i in range(api.STATUS_NODES_MAX)]
+
+
 def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatch):
     calls = []
     real = placement.place
