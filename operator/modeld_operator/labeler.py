@@ -88,13 +88,17 @@ def nvlink_domain(reading: Reading) -> str | None:
         return None
     (domain,) = domains
     assert domain is not None
-    value = re.sub(r"[^A-Za-z0-9_.-]", "-", domain)[:63].strip("-_.")
-    return value or None
+    return _as_label_value(domain) or None
 
 
 def gfd_product(name: str) -> str:
     """NVML's device name as GPU Feature Discovery writes it in nvidia.com/gpu.product ("NVIDIA-H100-80GB-HBM3")."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", name.strip()).strip("-_.")[:63]
+    return _as_label_value(name)
+
+
+def _as_label_value(text: str) -> str:
+    """Characters a label value cannot hold become "-"; at most 63, starting and ending alphanumeric."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", text.strip())[:63].strip("-_.")
 
 
 def label_patch(current: Mapping[str, str], reading: Reading) -> dict[str, str | None]:
