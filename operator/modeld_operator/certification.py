@@ -19,6 +19,7 @@ from pydantic import ValidationError
 import modeld_api as api
 
 from .cellstatus import Verdict  # a condition: (status True/False/None for Unknown, reason, message)
+from .placement import spec_json  # the spec as a worker reads it, the same text the cell's pod carries
 
 TERMINATION_LOG = "/dev/termination-log"
 DEFAULT_TIERS = (1024, 4096, 8192, 32768, 131072)
@@ -112,11 +113,11 @@ def job_manifest(
     """A Job that measures `cell` at `endpoint` (and its baseline in the same run) and reports in its termination message."""
     args = ["certify", "--endpoint", endpoint, "--topology", topology, "--tiers", ",".join(map(str, tiers)),
             "--summary", TERMINATION_LOG, "--cell-name", cell, *(extra or [])]
-    env = [{"name": "MODELD_CELL_SPEC", "value": json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)}]
+    env = [{"name": "MODELD_CELL_SPEC", "value": spec_json(spec)}]
     if baseline:
         bname, bspec, bendpoint = baseline
         args += ["--baseline-endpoint", bendpoint, "--baseline-name", bname]
-        env.append({"name": "MODELD_BASELINE_SPEC", "value": json.dumps(bspec.model_dump(mode="json", exclude_none=True), sort_keys=True)})
+        env.append({"name": "MODELD_BASELINE_SPEC", "value": spec_json(bspec)})
     labels = {api.LABEL_CERTIFIES: cell, api.LABEL_MANAGED_BY: "modeld"}
     if spec.localRun:
         labels[api.LABEL_LOCAL_RUN] = "true"
