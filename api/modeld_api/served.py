@@ -42,8 +42,11 @@ SPLIT_SHAPES = (Parallelism.sharded_kv.value, Parallelism.tensor.value, Parallel
 
 LOSSY_KV = (KVPrecision.int8.value, KVPrecision.fp8_e4m3.value, KVPrecision.int4.value)
 
-# Weight formats the worker computes from: dequantized at load to the compute dtype (bf16 / fp32), or used as is.
-SERVED_WEIGHTS = ("fp32", "bf16", "fp16", "q8_0", "q4_1", "q4_k_m")
+# Weight formats the worker computes from: used as is, dequantized at load to the compute dtype (bf16 / fp32), or
+# multiplied by a quantized kernel (int8; q4_1 where the CPU cell measures it faster: modeld_cell/autotune.py).
+SERVED_WEIGHTS = ("fp32", "bf16", "fp16", "int8", "q8_0", "q4_1", "q4_k_m")
+# Formats only a quantized kernel serves: the single-rank (or data-parallel) CPU cell's torch ops.
+KERNEL_ONLY_WEIGHTS = ("int8",)
 
 REASONS = {
     "sessionStore.claimName": "a localRun pod (hack/podrunner runs the worker as a local process) mounts no volumes: "
@@ -59,8 +62,11 @@ REASONS = {
                      "least 2",
     "profile.kv.sharded": "the sharded-KV runner reads fp32 / bf16 / fp16 / int8 / fp8 caches, not packed rotated int4",
     "profile.attention.sharded": "block-sparse prefill is not built across ranks: a multi-rank cell prefills dense",
-    "profile.weights": "weight-only quantized matmuls are not built yet; the worker computes in bf16 or fp32 "
-                       f"from one of {', '.join(SERVED_WEIGHTS)}",
+    "profile.weights": "no kernel multiplies this format: the worker computes in bf16 or fp32 from one of "
+                       f"{', '.join(SERVED_WEIGHTS)}",
+    "profile.weights.kernel": "int8 weights are multiplied by torch's CPU weight-only kernel, built for a single-rank "
+                              "(or data-parallel) torch cell only; the triton backend and the split shapes compute "
+                              "from dequantized formats (q8_0, q4_1, ...)",
     "profile.kv": "the triton backend's prefill kernel reads int8 / fp8 caches, not packed rotated int4 (the torch "
                   "backend serves int4)",
 }
@@ -83,6 +89,8 @@ def unserved(spec: CellSpec) -> list[Unserved]:
         out.append(Unserved("runtime.ranks", str(spec.runtime.ranks), REASONS["runtime.ranks"]))
     if weights not in SERVED_WEIGHTS:
         out.append(Unserved("profile.weights", weights, REASONS["profile.weights"]))
+    elif weights in KERNEL_ONLY_WEIGHTS and (backend != Backend.torch.value or parallelism in SPLIT_SHAPES):
+        out.append(Unserved("profile.weights", weights, REASONS["profile.weights.kernel"]))
     kv = _v(spec.profile.kv)
     if backend == Backend.triton.value and kv == KVPrecision.int4.value:
         out.append(Unserved("profile.kv", kv, REASONS["profile.kv"]))
@@ -120,6 +128,12 @@ def not_served() -> list[str]:
                  if any(u.field == "profile.kv" for u in unserved(_probe("profile.kv", v.value, backend="triton")))]
     if triton_kv:
         out.append(f"profile.kv: {', '.join(triton_kv)} with runtime.backend triton")
+    triton_weights = [v.value for v in WeightPrecision
+                      if any(u.field == "profile.weights" for u in unserved(_probe("profile.weights", v.value,
+                                                                                    backend="triton")))
+                      and not any(u.field == "profile.weights" for u in unserved(_probe("profile.weights", v.value)))]
+    if triton_weights:
+        out.append(f"profile.weights: {', '.join(triton_weights)} with runtime.backend triton")
     for shape in (*SPLIT_SHAPES, Parallelism.data.value):
         cpu_ranks = {"runtime": {"backend": "torch", "parallelism": shape, "ranks": 2}}
         if any(u.field == "runtime.parallelism" for u in unserved(_probe(
@@ -127,10 +141,12 @@ def not_served() -> list[str]:
                                               "topology": {"gpus": 2, "interconnect": "nvlink"}}))):
             out.append(f"runtime.parallelism: {shape} with topology.gpus >= 1")
         profile_enums: tuple[tuple[str, type[Enum]], ...] = (("profile.kv", KVPrecision),
-                                                             ("profile.attention", AttentionMode))
+                                                             ("profile.attention", AttentionMode),
+                                                             ("profile.weights", WeightPrecision))
         for path, values in profile_enums:
-            refused = [v.value for v in values
-                       if any(u.field == path for u in unserved(_probe(path, v.value, sections=cpu_ranks)))]
+            refused = [v.value for v in values    # (a value no cell serves has its own line above)
+                       if any(u.field == path for u in unserved(_probe(path, v.value, sections=cpu_ranks)))
+                       and not any(u.field == path for u in unserved(_probe(path, v.value)))]
             if refused:
                 out.append(f"{path}: {', '.join(refused)} with runtime.parallelism {shape}")
     return out

@@ -13,6 +13,7 @@ from modeld_api.served import not_served
 from . import __version__
 from .kernels.sparse_prefill import reference as sparse_ref
 from .prefix_index import IDENTITY_KEY_FIELDS
+from .quantize import weights_bytes as served_weights_bytes
 from .snapshot import SNAPSHOT_VERSION
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def capability(e: Engine) -> dict:
     a = e.model.args
     kernels = e.runner.kernels()
     kvs = e.kv.stats()
-    weights_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
+    weights_bytes = served_weights_bytes(e.model)
     rss = None
     try:
         with open("/proc/self/status") as f:
@@ -58,6 +59,7 @@ def capability(e: Engine) -> dict:
                     "device": str(e.kv.device), "device_name": device_name(e.kv.device),
                     "runner": e.runner.name, "startup_check": e.startup, "threads": torch.get_num_threads(),
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
+                    "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
                     "prefill_chunk": e.settings.prefill_chunk,
                     "max_decode_batch": e.settings.max_decode_batch},
         "model": {"name": e.identity["model_name"], "family": e.identity["model_family"],

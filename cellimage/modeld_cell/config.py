@@ -50,6 +50,8 @@ class EngineSettings:
     collective_timeout_s: int = 60                      # MODELD_COLLECTIVE_TIMEOUT_S
     # a directory: each session's committed state at turn boundaries, recovered after the process is lost
     session_store: str = ""                             # MODELD_SESSION_STORE (journal.py); empty: off
+    # the CPU cell's weights compute path: auto (measured: autotune.py) or one candidate, e.g. dense-fp32, q4_1-bf16
+    weights_path: str = "auto"                          # MODELD_WEIGHTS_PATH
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -75,6 +77,7 @@ class EngineSettings:
                     raise ValueError(f"{env} must be in (0, 1], got {f}")
                 setattr(s, attr, f)
         s.session_store = os.environ.get("MODELD_SESSION_STORE", "").strip()
+        s.weights_path = os.environ.get("MODELD_WEIGHTS_PATH", "").strip() or "auto"
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()
         if mode not in ("auto", "dispatch", "torch"):
             raise ValueError(f"MODELD_DECODE_ATTENTION must be auto, dispatch or torch, got {mode!r}")
@@ -119,7 +122,9 @@ class CellConfig:
     backend: str = "torch"               # runtime.backend: which model runner (runner.py / triton_runner.py)
     device: str = "cpu"                  # where it computes: loader.resolve_device
     weights: str = "fp32"                 # compute dtype the weights are dequantized to
-    weights_storage: str = "fp32"         # what the spec asked for (e.g. q4_1: the file's format, dequantized)
+    weights_storage: str = "fp32"         # what the spec asked for (profile.weights: fp32, int8, q4_1, ...)
+    weights_kernel: str = "dense"         # how the weights are multiplied: dense | int8 | q4_1 (autotune.Choice)
+    weights_choice: dict | None = None    # the CPU's measured choice of kernel and dtype (autotune.Choice.to_dict)
     kv: str = "fp32"
     kv_memory_mib: int = DEFAULT_KV_MEMORY_MIB
     context_tier: int = 0                 # tokens per session: the spec's contextTier (a test sibling may shrink it)
@@ -191,4 +196,5 @@ class CellConfig:
                                   context_tier=self.context_tier, device=self.device)
         if "weights" not in profile:
             out.weights = self.weights    # the compute dtype the device chose (loader.resolve_device) stays
+            out.weights_kernel, out.weights_choice = self.weights_kernel, self.weights_choice   # and the kernel
         return out

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +70,8 @@ class Engine:
         # (a multi-rank cell's loader passes its driving runner: parallel/ranks.py)
         self.runner = runner if runner is not None else runner_for(config.backend)(model, kv)
         self.startup: dict | None = None                 # a device backend's start-up forward (loader.load_engine)
+        # while the loader gates a quantized-weights cell: builds the checkpoint in fp32 (profile_gate's reference)
+        self.fp32_weights: Callable[[], Transformer] | None = None
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
                           "prefix_cache_hits": 0, "tokens_computed_total": 0, "requests_total": 0,
                           "decode_steps_total": 0, "decode_batch_tokens_total": 0,

@@ -23,6 +23,8 @@ session references is never evicted, so Overflow means the *live* blocks exhaust
 from __future__ import annotations
 
 import heapq
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +98,19 @@ def _raw(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> Tensor:
+    """A zero tensor. On the CPU it is backed by an anonymous mmap: the kernel hands out zero pages as they are first
+    written, so a KV pool costs resident memory only for the blocks sessions have filled (torch.zeros writes every
+    byte at start, making the whole budget resident before the first request)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n)                          # the tensor holds the mapping alive (torch.frombuffer keeps it)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
 class PagedKVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, fmt: KVFormat, budget_bytes: int,
                  block_size: int = DEFAULT_BLOCK_SIZE, device: str | torch.device = "cpu") -> None:
@@ -111,15 +126,15 @@ class PagedKVCache:
         self.scale_tail = fmt.scale_tail(head_dim)                     # (), or (D // 32,) (int4 groups)
         shape = (n_layers, self.num_blocks, block_size, n_kv_heads, self.value_dim)
         # zeros, not empty: a kernel that reads a partly filled block must never see NaN garbage (0 * NaN = NaN)
-        self.k = torch.zeros(shape, dtype=fmt.storage, device=device)  # k: [L, num_blocks, BS, Hkv, D or D // 2]
-        self.v = torch.zeros(shape, dtype=fmt.storage, device=device)
+        self.k = zeroed(shape, fmt.storage, device)                    # k: [L, num_blocks, BS, Hkv, D or D // 2]
+        self.v = zeroed(shape, fmt.storage, device)
         # quantized formats: fp16 scales per token per kv head (per group for int4); None otherwise
         self.k_scale: Tensor | None = None                  # k_scale: [L, num_blocks, BS, Hkv] (+ [D // 32] int4)
         self.v_scale: Tensor | None = None
         if fmt.quantized:
             sshape = (*shape[:-1], *self.scale_tail)
-            self.k_scale = torch.zeros(sshape, dtype=quant_ref.SCALE_DTYPE, device=device)
-            self.v_scale = torch.zeros(sshape, dtype=quant_ref.SCALE_DTYPE, device=device)
+            self.k_scale = zeroed(sshape, quant_ref.SCALE_DTYPE, device)
+            self.v_scale = zeroed(sshape, quant_ref.SCALE_DTYPE, device)
         self._free: list[int] = list(range(self.num_blocks))           # min-heap: low ids first keeps runs contiguous
         heapq.heapify(self._free)
         self.ref: list[int] = [0] * self.num_blocks                     # sessions (and copies in flight) per block

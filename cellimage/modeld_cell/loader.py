@@ -72,7 +72,7 @@ def probe_model(model: Transformer) -> None:
     try:
         model.chunking_probe = probe_chunking_invariance(model)
     except RuntimeError as e:   # e.g. bf16 flash attention under ATEN_CPU_CAPABILITY=avx2: "pack_vnni2 ..."
-        dt = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+        dt = str(model.compute_dtype).removeprefix("torch.")
         raise errors.Unsupported(
             f"profile.weights: this CPU's torch kernels cannot compute the model in {dt} ({e}); use weights fp32, "
             "or a stored format such as q4_1 (computed in fp32 where torch's CPU capability lacks AVX-512)",
@@ -135,8 +135,33 @@ def resolve_device(cfg: CellConfig, device: str | None) -> None:
     cfg.device = device
 
 
-def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None) -> tuple[Any, Transformer, str, str, Any]:
-    """Read and check the checkpoint and build the model: (checkpoint, model, digest, source sha256, adapter)."""
+def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | None, cache_dir: str | None,
+                        stored_as: dict[str, str] | None = None) -> None:
+    """Set ``cfg.weights`` (compute dtype) and ``cfg.weights_kernel`` for a single-rank CPU cell by a measurement
+    on this CPU (autotune.choose; cached), or as MODELD_WEIGHTS_PATH names it. A multi-rank cell keeps the compute
+    dtype its config chose (every rank must compute alike) and multiplies dense. A quantized format with no dense
+    path (int8) on another backend is refused by modeld_api.served before this runs."""
+    if cfg.backend != "torch" or cfg.parallelism not in ("single", "data"):
+        return
+    from . import autotune
+    from .quantize import FILE_TYPE, dense_modules
+
+    forced = settings.weights_path if settings is not None else "auto"
+    kernel = autotune.QUANT_KERNEL.get(cfg.weights_storage)
+    dense = dense_modules(args, kernel, stored_as) if kernel in FILE_TYPE else set()
+    # a file that stores a layer's linears in another format than the kernel's: its dense paths only
+    kernel_ok = not (dense - {"output"})
+    choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head_dense="output" in dense,
+                             kernel_ok=kernel_ok)
+    cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
+
+
+def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
+                settings: EngineSettings | None = None,
+                cache_dir: str | None = None) -> tuple[Any, Transformer, str, str, Any]:
+    """Read and check the checkpoint and build the model: (checkpoint, model, digest, source sha256, adapter).
+    A quantized kernel's model is built in fp32, then its Linears are swapped for the quantized modules
+    (quantize.py); the fp32 weights are then only the checkpoint's, which the caller clears."""
     from .models import build_model, load_checkpoint
     from .models.lora import load_adapter
     from .models.lora import merge as merge_adapter
@@ -148,7 +173,10 @@ def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None) -> 
                                 field="model.format")
     # a LoRA adapter (models/lora.py) is read and checked against the model's shapes before the model is built
     adapter = load_adapter(str(cfg.adapter), ckpt.args) if cfg.adapter else None
-    model, digest, source_sha = build_model(ckpt, _DTYPES[cfg.weights], device=cfg.device, layers=layers)
+    choose_weights_path(cfg, ckpt.args, settings, cache_dir, ckpt.info.get("stored_as"))
+    quantized = cfg.weights_kernel != "dense"
+    built = torch.float32 if quantized else _DTYPES[cfg.weights]
+    model, digest, source_sha = build_model(ckpt, built, device=cfg.device, layers=layers)
     scale_rope(model, cfg.spec.model.ropeScaling)
     if cfg.model_digest and cfg.model_digest not in (digest, digest.removeprefix("sha256:")):
         raise errors.BadRequest(f"model.digest {cfg.model_digest} does not match the loaded weights {digest}",
@@ -157,6 +185,11 @@ def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None) -> 
         # merged after the digest check: model_digest stays the base weights' digest (what spec.model.digest pins);
         # the identity's "adapter" field names the adapter by its file's sha256
         merge_adapter(model, adapter)
+    model.params_loaded = sum(p.numel() for p in model.parameters())
+    if quantized:
+        from .quantize import dense_modules, quantize_model
+        quantize_model(model, cfg.weights_kernel, _DTYPES[cfg.weights],
+                       dense=dense_modules(model.args, cfg.weights_kernel, ckpt.info.get("stored_as")))
     return ckpt, model, digest, source_sha, adapter
 
 
@@ -210,22 +243,49 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
         except BaseException:        # refused or failed before the engine took the groups: leave them here
             ranks.leave()
             raise
-    return _build_engine(cls, cfg, model_path, settings, quality_cache, layers, gate, rk)
+    try:
+        return _build_engine(cls, cfg, model_path, settings, quality_cache, layers, gate, rk)
+    except errors.Unsupported as e:
+        fallback = _dense_fallback(cfg, e)
+        if fallback is None:
+            raise
+        refused = {"path": f"{cfg.weights_kernel}-{cfg.weights}", "reason": e.message}
+    # the measured fastest path was a quantized kernel whose quality smoke failed here: the format's fastest dense
+    # path serves it instead, and the capability report's weights_choice says why
+    copy, cfg = cfg.copy, CellConfig.from_spec(cfg.spec)
+    resolve_device(cfg, device)
+    cfg.copy = copy
+    eng = _build_engine(cls, cfg, model_path, dataclasses.replace(settings, weights_path=fallback), quality_cache,
+                        layers, gate, rk)
+    eng.config.weights_choice = {**(eng.config.weights_choice or {}), "refused": refused}
+    return eng
+
+
+def _dense_fallback(cfg: CellConfig, e: errors.Unsupported) -> str | None:
+    """The dense path to build instead when the quantized kernel the measurement chose fails its quality smoke:
+    the fastest dense candidate of the same measurement. None when the kernel was forced (MODELD_WEIGHTS_PATH) or
+    the format has no dense path (int8)."""
+    choice = cfg.weights_choice or {}
+    if e.details.get("field") != "profile.weights" or cfg.weights_kernel == "dense" or not choice.get("candidates"):
+        return None
+    dense = [r for r in choice["candidates"] if r["kernel"] == "dense"]
+    return min(dense, key=lambda r: r["turn_ms"])["name"] if dense else None
 
 
 def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, settings: EngineSettings,
                   quality_cache: str | None, layers: int | None, gate: bool, rk: Any) -> Engine:
     from . import profile_gate
 
-    ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers)
+    ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers, settings, quality_cache)
     runner = None
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,
         "model_format": ckpt.format, "model_digest": digest, "source_sha256": source_sha,
-        "weights_dtype": cfg.weights, "backend": f"{cfg.backend}-{torch.device(cfg.device).type}",
+        "weights_dtype": cfg.weights, "weights_kernel": getattr(model, "weights_layout", cfg.weights_kernel),
+        "backend": f"{cfg.backend}-{torch.device(cfg.device).type}",
         "backend_version": backend_version(cfg.backend), "kv_dtype": cfg.kv,
         "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
-        "params": sum(p.numel() for p in model.parameters()),        # the whole model's, before any rank cuts it
+        "params": model.params_loaded,               # the whole model's, before any rank cuts it or a kernel packs it
         "adapter": adapter.describe() if adapter else cfg.adapter,  # ref, file sha256, rank, alpha, scale, ...
         # the artifact as the cell names it (family, ref, digest, format, adapter) plus the file loaded
         "manifest_hash": "sha256:" + hashlib.sha256(json.dumps(
@@ -244,7 +304,8 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         # the cross-rank sums' order is part of every K/V bit past the first layer: the shape is in the identity
         identity["backend"] += f" {cfg.parallelism} x{rk.world}"
     eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings, runner=runner)
-    ckpt.tensors.clear()
+    if cfg.weights_kernel != "dense":     # the quality smoke's reference: the checkpoint in fp32, built if measured
+        eng.fp32_weights = lambda: _fp32_model(ckpt, cfg, layers)
     try:
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
@@ -256,7 +317,42 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
     except BaseException:
         eng.shutdown()
         raise
+    finally:
+        ckpt.tensors.clear()
+        eng.fp32_weights = None
+        release_freed_memory()
     return eng
+
+
+def release_freed_memory() -> None:
+    """Hand the heap memory the load freed (the checkpoint's fp32 tensors, a smoke's reference model) back to the
+    system: glibc keeps freed small and mid-sized blocks in its arenas, which RSS counts (~450 MiB after loading
+    SmolLM2's GGUF: docs/cell-benchmarks.md). A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+def _fp32_model(ckpt: Any, cfg: CellConfig, layers: int | None) -> Transformer:
+    """The checkpoint's weights in fp32, dense (adapter merged, RoPE scaled): a quality smoke's reference."""
+    from .models import build_model
+    from .models.lora import load_adapter
+    from .models.lora import merge as merge_adapter
+
+    model, _, _ = build_model(ckpt, torch.float32, device=cfg.device, layers=layers)
+    scale_rope(model, cfg.spec.model.ropeScaling)
+    if cfg.adapter:
+        merge_adapter(model, load_adapter(str(cfg.adapter), ckpt.args))
+    return model
 
 
 def _gate_whole_model(cls: type[Engine], cfg: CellConfig, tokenizer: Any, model: Transformer, identity: dict,

@@ -160,7 +160,7 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
     its call. None when it holds, else what differed. It is a measurement because it depends on the BLAS / oneDNN
     kernel the CPU gets: with AMX, bf16 GEMMs of 16-32 rows round differently from 512-row ones (issue #11). Attention
     runs first, so a CPU whose kernels cannot compute the dtype at all raises here, at start, not at a first request."""
-    w = model.tok_embeddings.weight
+    w = model.norm.weight                                  # the compute dtype and device (also of quantized weights)
     if not chunking_invariant(w.device):
         return f"{w.device.type}: not the CPU segmented path"
     g = torch.Generator().manual_seed(0)
@@ -494,9 +494,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.init_rope()
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: the weights' as loaded, or what a quantized model's kernels compute in."""
+        return self.norm.weight.dtype
+
     def init_rope(self) -> None:
         """(Re)compute the fp32 RoPE tables on the model's device (also after ``to_empty``)."""
-        dev = self.tok_embeddings.weight.device
+        dev = self.norm.weight.device
         if dev.type == "meta":
             return
         ang = torch.outer(torch.arange(self.args.max_seq_len, dtype=torch.float32), rope_frequencies(self.args))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 # The fields of the engine identity that name the KV a block holds (docs/reuse.md). Each one is hashed into the root.
-IDENTITY_KEY_FIELDS = ("model_digest", "backend", "backend_version", "weights_dtype", "kv_dtype", "adapter",
+IDENTITY_KEY_FIELDS = ("model_digest", "backend", "backend_version", "weights_dtype", "weights_kernel", "kv_dtype", "adapter",
                        "tokenizer_hash", "template_hash", "manifest_hash", "kv_layout", "block_size")
 
 

@@ -1,8 +1,9 @@
 """Whether a lossy serving profile is offered: its quality smoke, measured on this machine, cached by what decides it.
 
-A profile that changes the numbers the model computes -- quantized KV (int8, fp8-e4m3, int4) or block-sparse
-prefill -- is served only when its quality smoke (``quality.quality_smoke``: the same weights with fp32 KV and dense
-attention as the reference) passes ``quality.PROFILE_THRESHOLDS``. The verdict is a measurement, never a table in
+A profile that changes the numbers the model computes -- quantized weights multiplied by a quantized kernel
+(``weights-int8``, ``weights-q4_1``: quantize.py), quantized KV (int8, fp8-e4m3, int4) or block-sparse prefill -- is
+served only when its quality smoke (``quality.quality_smoke``: the same weights with fp32 KV and dense attention as
+the reference; for quantized weights, the checkpoint's weights in fp32) passes ``quality.PROFILE_THRESHOLDS``. The verdict is a measurement, never a table in
 the code: bf16 and quantized paths round differently on AVX-512-BF16, AMX and plain AVX2, and int4's teacher-forced
 greedy agreement on SmolLM2-135M measured 0.8125 on one Xeon and 0.9167 on another (docs/kernels.md), either side of
 its 0.9 bar.
@@ -38,10 +39,18 @@ _ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 KV_SMOKE_MIB = 32                      # each smoke engine's KV pool (the smoke holds a few hundred tokens)
 
 
-def gated_profiles(kv: str, attention_sparse: bool) -> list[str]:
-    """The profile names (keys of quality.PROFILE_THRESHOLDS) a cell's choice must pass before it is served."""
-    out = [kv] if kv in quality.PROFILE_THRESHOLDS else []
+def gated_profiles(kv: str, attention_sparse: bool, weights_kernel: str = "dense") -> list[str]:
+    """The profile names (keys of quality.PROFILE_THRESHOLDS) a cell's choice must pass before it is served: a
+    quantized weights kernel (``weights-int8``, ``weights-q4_1``), a lossy KV format, block-sparse prefill."""
+    out = [f"weights-{weights_kernel}"] if weights_kernel != "dense" else []
+    out += [kv] if kv in quality.PROFILE_THRESHOLDS else []
     return out + (["block-sparse"] if attention_sparse else [])
+
+
+def _field_of(profile: str) -> str:
+    if profile == "block-sparse":
+        return "profile.attention"
+    return "profile.weights" if profile.startswith("weights-") else "profile.kv"
 
 
 def hardware(device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -103,7 +112,7 @@ def measurement_key(engine: Any, profile: str, hw: dict[str, Any]) -> str:
     ident = engine.identity
     payload = {"hardware": hw, "profile": profile, "smoke": _smoke_args(profile), "smoke_version": SMOKE_VERSION,
                "modeld": __version__, "weights": {k: ident.get(k) for k in ("model_digest", "adapter",
-                                                                            "weights_dtype")},
+                                                                            "weights_dtype", "weights_kernel")},
                "sparse": (engine.settings.sparse_keep_ratio, engine.settings.sparse_max_keep_tokens)
                if profile == "block-sparse" else None}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
@@ -115,6 +124,15 @@ async def _measure(engine: Any, profile: str) -> dict[str, Any]:
     from .engine import EngineSettings
 
     st = engine.settings
+    if profile.startswith("weights-"):
+        # the quantized weights (fp32 KV, dense) against the same checkpoint's weights in fp32, dense
+        ref = _fp32_reference(engine)
+        cand = engine.sibling(kv="fp32", attention="dense", kv_mib=KV_SMOKE_MIB)
+        try:
+            return await quality.quality_smoke(cand, ref, **_smoke_args(profile))
+        finally:
+            cand.shutdown()
+            ref.shutdown()
     ref = engine.sibling(kv="fp32", attention="dense", kv_mib=KV_SMOKE_MIB)
     if profile == "block-sparse":
         forced = EngineSettings(threads=st.threads, sparse_min_tokens=64, sparse_max_density=1.0,
@@ -130,6 +148,29 @@ async def _measure(engine: Any, profile: str) -> dict[str, Any]:
     finally:
         cand.shutdown()
         ref.shutdown()
+
+
+def _fp32_reference(engine: Any) -> Any:
+    """An engine over the cell's checkpoint in fp32 with dense matmuls (``engine.fp32_weights``, the loader's
+    builder, alive only while the loader gates the cell), fp32 KV, dense attention."""
+    from .kv_cache import PagedKVCache, kv_format
+
+    build = getattr(engine, "fp32_weights", None)
+    if build is None:
+        raise errors.Fatal("the quality smoke of quantized weights needs the checkpoint's fp32 weights: gate the "
+                           "engine while the loader holds them (loader.load_engine)")
+    model = build()
+    cfg = engine.config.with_profile(kv="fp32", attention="dense")
+    cfg.weights, cfg.weights_kernel, cfg.weights_choice = "fp32", "dense", None
+    a = model.args
+    cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format("fp32"), KV_SMOKE_MIB << 20,
+                         engine.kv.block_size, device=engine.kv.device)
+    ref = type(engine)(model, engine.tokenizer, cache, cfg, dict(engine.identity, weights_dtype="fp32",
+                                                                   weights_kernel="dense", kv_dtype="fp32"),
+                       engine.settings)
+    ref.journal = None
+    ref.runner.choose_decode_kernel(ref.settings.decode_attention)
+    return ref
 
 
 def _run(coro: Any) -> Any:
@@ -185,13 +226,15 @@ def require(engine: Any, cache_dir: str | None, thresholds: dict[str, dict[str, 
     the measured numbers when one fails. ``thresholds`` maps a profile to the thresholds to use instead of
     quality.PROFILE_THRESHOLDS (tests)."""
     out = []
-    for p in gated_profiles(engine.config.kv, engine.sparse):
+    for p in gated_profiles(engine.config.kv, engine.sparse, engine.config.weights_kernel):
         v = verdict(engine, p, cache_dir, (thresholds or {}).get(p), hw)
         if not v.passed:
-            fld = "profile.attention" if p == "block-sparse" else "profile.kv"
+            fld = _field_of(p)
+            against = ("the same checkpoint's weights in fp32" if fld == "profile.weights"
+                       else "the same weights with fp32 KV and dense attention")
             raise errors.Unsupported(
-                f"{fld} {p!r} is not offered on this machine: its quality smoke, measured here against the same "
-                f"weights with fp32 KV and dense attention, fails ({'; '.join(v.failures)}); measured: "
-                f"{v.summary()}", field=fld, value=p, verdict=v.to_dict())
+                f"{fld} {p.removeprefix('weights-')!r} is not offered on this machine: its quality smoke, measured "
+                f"here against {against}, fails ({'; '.join(v.failures)}); measured: {v.summary()}",
+                field=fld, value=p.removeprefix("weights-"), verdict=v.to_dict())
         out.append(v)
     return out

@@ -34,6 +34,13 @@ PROFILE_THRESHOLDS: dict[str, dict[str, Any]] = {
     # int4 (group-32 fp16 scales, 3.56x bf16's tokens): the agreement bar of every profile, 2.5x fp8's mean-KL and
     # 2x its max-KL budget. Its agreement sits near the bar and differs by CPU (docs/kernels.md): profile_gate decides.
     "int4": {"greedy_agreement_min": 0.9, "kl_mean_max": 0.05, "kl_max_max": 0.3, "capital": True, "passkey": True},
+    # quantized weights against the checkpoint in fp32. q4_1 is the GGUF's own blocks (the reference dequantizes the
+    # same codes), so only the kernel's rounding differs: int8 KV's budget. int8 re-quantizes them per channel: a real
+    # second rounding of every weight, held to fp8 KV's budget.
+    "weights-q4_1": {"greedy_agreement_min": 0.9, "kl_mean_max": 0.005, "kl_max_max": 0.05, "capital": True,
+                     "passkey": True},
+    "weights-int8": {"greedy_agreement_min": 0.9, "kl_mean_max": 0.02, "kl_max_max": 0.15, "capital": True,
+                     "passkey": True},
     # measured on LONG_PROMPTS forced sparse. The pass key must come back too (forced sparse at 371 tokens dropped its
     # block until the estimate kept the last query block's keys whole; docs/kernels.md "Profiles in the worker").
     "block-sparse": {"greedy_agreement_min": 0.9, "kl_mean_max": 0.02, "kl_max_max": 0.1, "capital": True,

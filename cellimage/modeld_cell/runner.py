@@ -116,7 +116,7 @@ class TorchRunner:
             dev = self.kv.k.device
             kc = torch.randn(6, bs, hkv, d, generator=g).to(device=dev, dtype=self.kv.fmt.storage)
             vc = torch.randn(6, bs, hkv, d, generator=g).to(device=dev, dtype=self.kv.fmt.storage)
-            q = torch.randn(2, a.n_heads, d, generator=g).to(device=dev, dtype=self.model.tok_embeddings.weight.dtype)
+            q = torch.randn(2, a.n_heads, d, generator=g).to(device=dev, dtype=self.model.compute_dtype)
             bt = torch.tensor([[4, 1, 3], [0, 5, 2]], dtype=torch.int32, device=dev)
             sl = torch.tensor([37, 17], dtype=torch.int32, device=dev)
             meta = AttnMetadata("decode", torch.zeros(2, dtype=torch.long), bt, sl, [37, 17], bs, [None, None])

@@ -42,8 +42,7 @@ EXPECTED = {
     **{("topology.interconnect", v.value): (None if v is api.Interconnect.none else "topology.gpus")
        for v in api.Interconnect},
     **{("model.format", v.value): None for v in api.ModelFormat},
-    **{("profile.weights", v.value): ("profile.weights" if v in (api.WeightPrecision.int8,
-                                                                 api.WeightPrecision.fp8_e4m3) else None)
+    **{("profile.weights", v.value): ("profile.weights" if v is api.WeightPrecision.fp8_e4m3 else None)
        for v in api.WeightPrecision},
     **{("profile.kv", v.value): None for v in api.KVPrecision},
     **{("profile.attention", v.value): None for v in api.AttentionMode},
@@ -126,7 +125,11 @@ def test_the_capability_report_lists_exactly_the_values_refused():
     assert not [ln for ln in lines if ln.startswith("profile.kv:") and ("tensor" in ln or "pipeline" in ln)], lines
     assert "runtime.parallelism: data with topology.gpus >= 1" in lines     # its copies serve every CPU profile
     assert not [ln for ln in lines if ln.endswith("with runtime.parallelism data")], lines
-    assert len(lines) == 12, lines
+    # int8 weights: the CPU torch kernel of a single-rank engine (or a data-parallel copy) only
+    assert "profile.weights: int8 with runtime.backend triton" in lines
+    for shape in ("sharded-kv", "tensor", "pipeline"):
+        assert f"profile.weights: int8 with runtime.parallelism {shape}" in lines
+    assert len(lines) == 16, lines
 
 
 SHARDED = {**CPU, "runtime": {"backend": "torch", "parallelism": "sharded-kv", "ranks": 2}}
@@ -139,7 +142,8 @@ SHARDED = {**CPU, "runtime": {"backend": "torch", "parallelism": "sharded-kv", "
      "runtime.parallelism"),
     ({"profile": {"kv": "int4"}}, "profile.kv"),
     ({"profile": {"attention": "block-sparse"}}, "profile.attention"),
-], ids=["cpu-ranks", "no-ranks", "gpu-ranks", "int4", "block-sparse"])
+    ({"profile": {"weights": "int8"}}, "profile.weights"),
+], ids=["cpu-ranks", "no-ranks", "gpu-ranks", "int4", "block-sparse", "int8-weights"])
 def test_a_sharded_kv_cell_is_served_on_cpu_ranks_and_refuses_what_its_runner_lacks(edit, field):
     got = unserved(api.parse_cell_spec({**SHARDED, **edit}))
     assert [u.field for u in got] == ([field] if field else []), got
@@ -153,10 +157,11 @@ DATA = {**CPU, "runtime": {"backend": "torch", "parallelism": "data", "ranks": 2
     ({"profile": {"kv": "int4"}}, None),
     ({"profile": {"kv": "int8"}}, None),
     ({"profile": {"attention": "block-sparse"}, "contextTier": 8192}, None),
+    ({"profile": {"weights": "int8"}}, None),
     ({"runtime": {"backend": "torch", "parallelism": "data"}}, "runtime.ranks"),
     ({"runtime": {"backend": "triton", "parallelism": "data"}, "topology": {"gpus": 2, "interconnect": "nvlink"}},
      "runtime.parallelism"),
-], ids=["cpu-copies", "int4", "int8", "block-sparse", "no-ranks", "gpu-copies"])
+], ids=["cpu-copies", "int4", "int8", "block-sparse", "int8-weights", "no-ranks", "gpu-copies"])
 def test_a_data_parallel_cell_serves_every_single_rank_profile_on_cpu_copies(edit, field):
     """Its copies are single-rank engines that never talk: what one rank serves, each copy serves."""
     got = unserved(api.parse_cell_spec({**DATA, **edit}))
@@ -174,13 +179,21 @@ PIPELINE = {**CPU, "runtime": {"backend": "torch", "parallelism": "pipeline", "r
     ({"profile": {"kv": "int8"}}, None),
     ({"profile": {"kv": "int4"}}, None),
     ({"profile": {"attention": "block-sparse"}}, "profile.attention"),
+    ({"profile": {"weights": "int8"}}, "profile.weights"),
     ({"topology": {"gpus": 2, "interconnect": "nvlink"}}, "runtime.parallelism"),
-], ids=["cpu-ranks", "bf16", "int8", "int4", "block-sparse", "gpu-ranks"])
+], ids=["cpu-ranks", "bf16", "int8", "int4", "block-sparse", "int8-weights", "gpu-ranks"])
 def test_a_tensor_or_pipeline_cell_is_served_on_cpu_ranks_with_every_kv_format(base, edit, field):
     if field == "runtime.parallelism":           # GPU ranks: backend triton, no runtime.ranks (one per GPU)
         edit = {**edit, "runtime": {"backend": "triton", "parallelism": base["runtime"]["parallelism"]}}
     got = unserved(api.parse_cell_spec({**base, **edit}))
     assert [u.field for u in got] == ([field] if field else []), got
+
+
+def test_int8_weights_are_refused_on_a_triton_cell_naming_the_field():
+    spec = api.parse_cell_spec({**CPU, "runtime": {"backend": "triton"}, "topology": {"gpus": 1, "interconnect": "none"},
+                                "profile": {"weights": "int8"}})
+    got = unserved(spec)
+    assert [u.field for u in got] == ["profile.weights"] and "CPU weight-only kernel" in got[0].reason
 
 
 @pytest.mark.parametrize("kv, refused", [(v.value, v is api.KVPrecision.int4) for v in api.KVPrecision],

@@ -113,7 +113,7 @@ def matrix(t: Target, opts: Options) -> dict[str, Any]:
         "model_name": model.get("name"),
         "model_digest": model.get("digest"),
         "quantization": {"stored": rt.get("weights_requested") or (spec.get("profile") or {}).get("weights"),
-                         "compute": rt.get("weights_dtype")},
+                         "compute": rt.get("weights_dtype"), "kernel": rt.get("weights_kernel")},
         "kv_precision": kv.get("precision"),
         "attention": (cap.get("attention") or {}).get("mode"),
         "prefix_reuse": cap.get("prefix_reuse"),

@@ -117,6 +117,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     args = read_hparams(reader)
     tensors: dict[str, torch.Tensor] = {}
     qtypes: dict[str, int] = {}
+    stored: dict[str, str] = {}                                          # HF name -> the file's type (Q4_1, ...)
     for t in reader.tensors:
         hf = _hf_name(t.name)
         if hf is None:
@@ -132,8 +133,9 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
                 w = reverse_permute_qk(w, args.n_kv_heads)
         tensors[hf] = w
         qtypes[t.tensor_type.name] = qtypes.get(t.tensor_type.name, 0) + 1
+        stored[hf] = t.tensor_type.name
     tok = Tokenizer.from_gguf_reader(reader)
     name = _field(reader, "general.name") or os.path.basename(str(path))
     return Checkpoint(args=args, tensors=tensors, tokenizer=tok, format="gguf", path=str(path),
-                      info={"name": name, "architecture": args.arch, "tensor_types": qtypes,
+                      info={"name": name, "architecture": args.arch, "tensor_types": qtypes, "stored_as": stored,
                             "file_type": _field(reader, "general.file_type")})

@@ -1,0 +1,207 @@
+"""How the CPU cell computes its weights: chosen by a short measurement on this machine, not by a CPU flag.
+
+A ``profile.weights`` value fixes what is stored; several compute paths can serve it:
+  fp32, bf16                   dense, in that dtype (the spec pins it: nothing to choose)
+  int8                         the int8 weight-only kernel, activations in fp32 or bf16
+  q4_1                         the int4 kernel on Q4_1's own blocks, or the blocks dequantized to a dense fp32 / bf16
+  fp16, q8_0, q4_k_m           dequantized to a dense fp32 or bf16
+bf16 paths are candidates only where this process's torch computes bf16 attention at all.
+
+Each candidate runs, with random weights of the model's real shapes, what one layer of a forward does with its
+weights (the four linears) plus the CPU attention at the compute dtype, and the output head: a decode step (1 row
+over 1,024 cached keys) and a 256-row prefill chunk after 768 cached tokens. The choice minimises the time of the
+agent turn the benchmarks replay, ``TURN_PREFILL`` appended tokens then ``TURN_DECODE`` greedy ones; the report keeps
+every candidate's figures, so a reader sees what was measured and why one won. Norms, RoPE and sampling are left out
+(they cost the same for every candidate, or nearly).
+
+The measurement is cached as JSON under ``<cache>/autotune/<key>.json``, keyed by the hardware and torch
+(profile_gate.hardware), the thread count, the model's shapes and ``AUTOTUNE_VERSION``; a second start reads it.
+``MODELD_WEIGHTS_PATH`` (EngineSettings.weights_path) names one candidate instead, e.g. ``dense-fp32``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from . import errors
+
+AUTOTUNE_VERSION = 1
+TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
+PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
+
+DENSE = ("fp32", "bf16")
+QUANT_KERNEL = {"int8": "int8", "q4_1": "q4_1"}     # profile.weights -> the quantized kernel that serves it
+
+
+@dataclass
+class Choice:
+    """How the weights are computed: ``kernel`` (dense | int8 | q4_1) in ``dtype`` (fp32 | bf16)."""
+
+    kernel: str
+    dtype: str
+    reason: str
+    candidates: list[dict[str, Any]]    # each: name, kernel, dtype, decode_ms, prefill_ms_per_token, turn_ms
+    cached: bool = False
+    key: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}-{self.dtype}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"name": self.name}
+
+
+def bf16_computes() -> bool:
+    """Whether this process's torch runs the CPU attention and a matmul in bf16 (an ISA limited by
+    ATEN_CPU_CAPABILITY=avx2 lacks the bf16 flash kernel: it raises)."""
+    from .model import _FLASH_CPU
+    if _FLASH_CPU is None:
+        return False
+    try:
+        q = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16)
+        _FLASH_CPU(q, q, q, scale=0.125)
+        torch.zeros(2, 64, dtype=torch.bfloat16) @ torch.zeros(64, 2, dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def candidates(weights: str, bf16: bool, kernel_ok: bool = True) -> list[tuple[str, str]]:
+    """(kernel, dtype) paths that serve ``profile.weights`` on this CPU. ``kernel_ok`` False: the model file does
+    not store its layers in the format's blocks (q4_1), so only the dense paths compute them."""
+    if weights in DENSE:
+        return [("dense", weights)]
+    dtypes = ["fp32", "bf16"] if bf16 else ["fp32"]
+    if weights == "int8":
+        kernels = [QUANT_KERNEL[weights]]
+    else:
+        kernels = ["dense"] + ([QUANT_KERNEL[weights]] if weights in QUANT_KERNEL and kernel_ok else [])
+    return [(k, d) for k in kernels for d in dtypes]
+
+
+def _median_ms(fn: Any, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generator,
+                   head_dense: bool = False) -> tuple[list[Any], Any]:
+    """One layer's four linears and the head, with random weights of the model's shapes, as the cell would run them
+    (``head_dense``: the head stays a dense matmul, as quantize.dense_modules leaves a head the file keeps finer)."""
+    from .model import RowLinear
+    from .quantize import quantized_linear
+
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    shapes = [(args.dim, qkv), (args.n_heads * args.head_dim, args.dim), (args.dim, 2 * args.intermediate_size),
+              (args.intermediate_size, args.dim), (args.dim, args.vocab_size)]
+    mods = []
+    for i, (k, n) in enumerate(shapes):
+        lin = RowLinear(k, n, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
+        dense = kernel == "dense" or (head_dense and i == len(shapes) - 1)
+        mods.append(lin.to(dtype) if dense else quantized_linear(lin, kernel, dtype))
+    return mods[:4], mods[4]
+
+
+@torch.inference_mode()
+def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: bool = False) -> dict[str, Any]:
+    """One candidate's figures (milliseconds, whole model: one layer's times x layers, plus the head)."""
+    from .model import _segmented_attention
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    g = torch.Generator().manual_seed(0)
+    linears, head = _layer_modules(args, kernel, dtype, g, head_dense)
+    hq, hkv, d = args.n_heads, args.n_kv_heads, args.head_dim
+    scale = 1.0 / math.sqrt(d)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def layer(rows: int, past: int) -> Any:
+        xs = [rand(rows, lin.in_features) for lin in linears]
+        q, k, v = rand(rows, hq, d), rand(past + rows, hkv, d), rand(past + rows, hkv, d)
+
+        def run() -> None:
+            for lin, x in zip(linears, xs, strict=True):
+                lin(x)
+            _segmented_attention(q, k, v, past, scale)
+        return run
+
+    x1 = rand(1, args.dim)
+    head_ms = _median_ms(lambda: head(x1), reps)
+    decode = _median_ms(layer(1, DECODE_PAST - 1), reps * 3) * args.n_layers + head_ms
+    prefill = (_median_ms(layer(PREFILL_ROWS, PREFILL_PAST), reps) * args.n_layers + head_ms) / PREFILL_ROWS
+    return {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name,
+            "decode_ms": round(decode, 3), "prefill_ms_per_token": round(prefill, 4),
+            "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1)}
+
+
+def _key(args: Any, cands: list[tuple[str, str]], threads: int, head_dense: bool) -> str:
+    from .profile_gate import hardware
+
+    shapes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                                            "intermediate_size", "vocab_size")}
+    payload = {"v": AUTOTUNE_VERSION, "hardware": hardware("cpu"), "threads": threads, "shapes": shapes,
+               "candidates": cands, "head_dense": head_dense}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto", head_dense: bool = False,
+           kernel_ok: bool = True) -> Choice:
+    """The compute path for ``profile.weights`` = ``weights`` on this CPU. ``forced`` (MODELD_WEIGHTS_PATH) names
+    one candidate (``kernel-dtype``) to take without measuring; one that does not serve ``weights`` here is refused.
+    ``head_dense``: a quantized candidate keeps the output head dense (quantize.dense_modules)."""
+    cands = candidates(weights, bf16_computes(), kernel_ok)
+    names = [f"{k}-{d}" for k, d in cands]
+    if forced != "auto":
+        if forced not in names:
+            raise errors.BadRequest(f"MODELD_WEIGHTS_PATH {forced!r} does not serve profile.weights {weights!r} on "
+                                    f"this CPU (its paths: {', '.join(names)})", field="profile.weights",
+                                    value=weights)
+        k, d = cands[names.index(forced)]
+        return Choice(k, d, f"MODELD_WEIGHTS_PATH={forced}", [])
+    if len(cands) == 1:
+        k, d = cands[0]
+        return Choice(k, d, f"profile.weights {weights} pins it", [])
+    threads = torch.get_num_threads()
+    key = _key(args, cands, threads, head_dense)
+    path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
+    rows = None
+    if path and os.path.isfile(path):
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                rec = json.load(f)
+            if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("candidates"), list):
+                rows = rec["candidates"]
+    cached = rows is not None
+    if rows is None:
+        rows = [measure(args, k, d, head_dense=head_dense) for k, d in cands]
+        if path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"key": key, "candidates": rows, "threads": threads,
+                           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
+            os.replace(tmp, path)
+    best = min(rows, key=lambda r: r["turn_ms"])
+    others = ", ".join(f"{r['name']} {r['turn_ms']} ms" for r in rows if r is not best)
+    reason = (f"measured on this CPU ({threads} threads): a {TURN_PREFILL}-token append + {TURN_DECODE} decoded "
+              f"tokens takes {best['turn_ms']} ms ({others})")
+    return Choice(best["kernel"], best["dtype"], reason, rows, cached=cached, key=key)

@@ -1,0 +1,188 @@
+"""Weight-only quantized linears (modeld_cell/quantize.py) against their torch reference, and the measured choice of
+a CPU cell's weights path (modeld_cell/autotune.py) as a mechanism: candidates, a forced path, a cached measurement.
+
+Tolerances: an fp32-activation kernel matches x @ dequant(w)^T to fp32 rounding of a K-term sum (~1e-4 relative);
+bf16 activations round the inputs and the output to 8 bits of mantissa (~1e-2 relative). No test here asserts a
+timing: the choice is tested on figures the test writes into the cache itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from modeld_cell import autotune, errors
+from modeld_cell.model import ModelArgs, Transformer
+from modeld_cell.quantize import (
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    QuantEmbedding,
+    dequantize_q4_1,
+    quantize_int8,
+    quantize_model,
+    quantize_q4_1,
+    weights_bytes,
+)
+
+pytestmark = pytest.mark.unit
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}          # relative RMS error bound per activation dtype
+SHAPES = [(1, 64, 32), (2, 96, 64), (17, 128, 160), (63, 576, 96)]   # (M, K, N): K a multiple of the q4 group
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-12))
+
+
+def ids(shape: tuple[int, int, int]) -> str:
+    return "M{}-K{}-N{}".format(*shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+def test_int8_linear_matches_reference(shape, dtype):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
+    lin = Int8WeightOnlyLinear(w, b, dtype)
+    q, s = quantize_int8(w)
+    assert lin.qweight.dtype == torch.int8 and q.abs().max() <= 127
+    ref = x.to(dtype).float() @ (q.float() * s[:, None]).T + b
+    assert rel_rms(lin(x.to(dtype)), ref) < TOL[dtype]
+    # each weight within half a step of its row's scale
+    assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-6).all()
+    rows = torch.tensor([0, n - 1, n // 2])
+    assert torch.allclose(lin.rows(rows, torch.float32), (q.float() * lin.scales.float()[:, None])[rows], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+def test_int4_linear_matches_reference(shape, dtype):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    lin = Int4WeightOnlyLinear(w, None, dtype, keep_codes=True)
+    q, d, mn = quantize_q4_1(w)
+    wdq = dequantize_q4_1(q, d, mn)
+    assert q.max() <= 15 and ((wdq - w).abs() <= d.repeat_interleave(32, 1) / 2 + 1e-5).all()
+    assert rel_rms(lin(x.to(dtype)), x.to(dtype).float() @ wdq.T) < TOL[dtype]
+    rows = torch.tensor([n - 1, 0])
+    assert torch.allclose(lin.rows(rows, torch.float32), wdq[rows], atol=1e-6)
+
+
+def test_q4_1_blocks_requantize_to_themselves():
+    """Weights that are Q4_1 blocks (w = d q + m, each block using codes 0 and 15, as llama.cpp's quantizer makes
+    them) come back as the same codes: the GGUF's own blocks are what the int4 kernel multiplies."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 48, 128
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes.view(n, k // 32, 32)[..., 0], codes.view(n, k // 32, 32)[..., 1] = 0, 15
+    d = torch.rand(n, k // 32, generator=g, dtype=torch.float64).float().half().float() * 0.1 + 1e-3
+    m = -torch.rand(n, k // 32, generator=g).half().float()
+    w = dequantize_q4_1(codes, d, m)
+    q, d2, m2 = quantize_q4_1(w)
+    assert torch.equal(q, codes)
+    assert torch.allclose(d2, d, rtol=1e-6) and torch.equal(m2, m)
+
+
+def test_q4_1_refuses_a_ragged_input():
+    with pytest.raises(ValueError, match="multiple of the group size 32"):
+        quantize_q4_1(torch.randn(4, 40))
+
+
+TINY = ModelArgs(arch="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                 intermediate_size=96, max_seq_len=128, tie_embeddings=True)
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(4)
+    m = Transformer(TINY)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.05)
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+    return m.eval()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_quantize_model_swaps_every_linear(fmt):
+    """Every transformer Linear and the head become the format's modules, the tied embedding reads the head's rows,
+    no fp32 weight stays behind, and the layers compute what the dequantized weights compute."""
+    model = tiny_model()
+    dense = {n: mod.weight.detach().clone() for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    before = weights_bytes(model)
+    quantize_model(model, fmt, torch.float32)
+    cls = Int8WeightOnlyLinear if fmt == "int8" else Int4WeightOnlyLinear
+    for name in dense:
+        assert isinstance(model.get_submodule(name), cls), name
+    assert isinstance(model.tok_embeddings, QuantEmbedding) and model.compute_dtype == torch.float32
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in model.parameters())
+    assert weights_bytes(model) < before / 3
+    tokens = torch.tensor([3, 7, 255])
+    emb = model.tok_embeddings(tokens)
+    w = dense["output"]
+    assert emb.shape == (3, TINY.dim) and rel_rms(emb, w[tokens]) < 0.1      # one quantization step of error
+    lin = model.layers[1].feed_forward.w2
+    x = torch.randn(5, lin.in_features)
+    assert rel_rms(lin(x), x @ dense["layers.1.feed_forward.w2"].T) < 0.1
+
+
+def test_quantize_model_refuses_an_unknown_format():
+    with pytest.raises(ValueError, match="not quantized-served"):
+        quantize_model(tiny_model(), "q8_0", torch.float32)
+
+
+# ---- autotune: the candidates and the choice
+
+
+def test_candidates_per_format():
+    assert autotune.candidates("fp32", True) == [("dense", "fp32")]
+    assert autotune.candidates("bf16", True) == [("dense", "bf16")]
+    assert autotune.candidates("int8", True) == [("int8", "fp32"), ("int8", "bf16")]
+    assert autotune.candidates("int8", False) == [("int8", "fp32")]
+    assert autotune.candidates("q4_1", True) == [("dense", "fp32"), ("dense", "bf16"), ("q4_1", "fp32"),
+                                                 ("q4_1", "bf16")]
+    assert autotune.candidates("q8_0", False) == [("dense", "fp32")]
+
+
+def test_a_pinned_format_is_not_measured(tmp_path):
+    c = autotune.choose(TINY, "fp32", str(tmp_path))
+    assert (c.name, c.candidates) == ("dense-fp32", []) and "pins" in c.reason
+    assert not (tmp_path / "autotune").exists()
+
+
+def test_a_forced_path_is_taken_or_refused(tmp_path):
+    c = autotune.choose(TINY, "q4_1", str(tmp_path), forced="q4_1-fp32")
+    assert (c.kernel, c.dtype, c.candidates) == ("q4_1", "fp32", []) and "MODELD_WEIGHTS_PATH" in c.reason
+    with pytest.raises(errors.BadRequest, match="does not serve profile.weights 'int8'") as e:
+        autotune.choose(TINY, "int8", str(tmp_path), forced="dense-fp32")
+    assert e.value.details["field"] == "profile.weights"
+
+
+def test_the_choice_is_the_fastest_turn_and_cached(tmp_path, monkeypatch):
+    """The measurement runs once and is written under <cache>/autotune; the choice minimises the turn time. The
+    figures are the test's own (written into the measurement), so the choice is known in advance."""
+    monkeypatch.setattr(autotune, "bf16_computes", lambda: False)
+    first = autotune.choose(TINY, "q4_1", str(tmp_path))
+    assert not first.cached and {r["name"] for r in first.candidates} == {"dense-fp32", "q4_1-fp32"}
+    for r in first.candidates:
+        assert r["decode_ms"] > 0 and r["prefill_ms_per_token"] > 0
+        assert r["turn_ms"] == pytest.approx(autotune.TURN_PREFILL * r["prefill_ms_per_token"]
+                                             + autotune.TURN_DECODE * r["decode_ms"], abs=0.1)
+    path = tmp_path / "autotune" / f"{first.key}.json"
+    rec = json.loads(path.read_text())
+    figures = {"dense-fp32": (10.0, 1.0), "q4_1-fp32": (5.0, 0.5)}       # (decode ms, prefill ms per token)
+    for r in rec["candidates"]:
+        r["decode_ms"], r["prefill_ms_per_token"] = figures[r["name"]]
+        r["turn_ms"] = autotune.TURN_PREFILL * r["prefill_ms_per_token"] + autotune.TURN_DECODE * r["decode_ms"]
+    path.write_text(json.dumps(rec))
+    again = autotune.choose(TINY, "q4_1", str(tmp_path))
+    assert again.cached and again.name == "q4_1-fp32" and "dense-fp32 1020.0 ms" in again.reason
+    os.remove(path)
+    assert not autotune.choose(TINY, "q4_1", str(tmp_path)).cached
