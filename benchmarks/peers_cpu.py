@@ -3,7 +3,8 @@
 Providers (each runs as a subprocess of this script, in its own venv, and hands back JSON; the project venv never
 gets a peer package):
   * modeld        the in-process Engine (modeld_cell.engine, the path the server calls), as benchmarks/cell_cpu.py
-                  drives it; the project venv's python. Weights bf16 where the CPU computes it natively, else fp32.
+                  drives it; the project venv's python. Weights: the same Q4_1 GGUF, computed by the path the
+                  worker's measurement at start chooses (modeld_cell/autotune.py: the int4 kernel or a dense copy).
   * llama.cpp     llama-cpp-python on the same Q4_1 GGUF (its native 4-bit format); the peers venv made by
                   hack/peers-setup.sh (built without AMX, see there).
   * hf            HF transformers loading the same GGUF (gguf_file=..., dequantized to fp32), sdpa attention; the
@@ -115,7 +116,7 @@ def worker_modeld(job: dict) -> dict:
 
     spec = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
             "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
-            "profile": {"weights": job["modeld_weights"], "kv": job["modeld_weights"], "prefixReuse": True},
+            "profile": {"weights": job["modeld_weights"], "kv": job["modeld_kv"], "prefixReuse": True},
             "contextTier": 8192, "kvMemoryMiB": job["modeld_kv_mib"]}
     t = time.perf_counter()
     from modeld_cell.engine import EngineSettings
@@ -150,7 +151,9 @@ def worker_modeld(job: dict) -> dict:
     res.update(load_s=load_s, rss_after_load_mib=rss_loaded, threads=torch.get_num_threads(),
                versions={"torch": torch.__version__, "modeld": cap.get("runtime", {}).get("version")
                          if isinstance(cap.get("runtime"), dict) else None},
-               config={"weights": eng.config.weights, "kv": eng.config.kv, "kvMemoryMiB": job["modeld_kv_mib"],
+               config={"weights": eng.config.weights, "weights_requested": eng.config.weights_storage,
+                       "weights_kernel": eng.config.weights_kernel, "weights_choice": eng.config.weights_choice,
+                       "kv": eng.config.kv, "kvMemoryMiB": job["modeld_kv_mib"],
                        "prefill_chunk": eng.settings.prefill_chunk,
                        "capability": {k: cap.get(k) for k in ("kv", "runtime", "attention")}})
     eng.shutdown()
@@ -282,9 +285,9 @@ def model_path(arg: str | None) -> str:
     return str(ensure_smollm2())
 
 
-def _cpu_compute_dtype() -> str:
-    from modeld_cell.config import cpu_compute_dtype
-    return cpu_compute_dtype()
+def _kv_default() -> str:
+    from modeld_cell.autotune import bf16_computes
+    return "bf16" if bf16_computes() else "fp32"
 
 
 def tokenize(model: str) -> tuple[list[int], object]:
@@ -455,8 +458,10 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="rounds; each starts every provider afresh")
-    ap.add_argument("--modeld-weights", default=None, help="profile.weights (default: bf16 where the CPU computes it "
-                    "natively, else fp32)")
+    ap.add_argument("--modeld-weights", default="q4_1", help="profile.weights (default q4_1: the GGUF llama.cpp "
+                    "runs, computed as the worker's measurement at start chooses; MODELD_WEIGHTS_PATH forces a path)")
+    ap.add_argument("--modeld-kv", default=None, help="profile.kv (default: bf16 where this torch computes bf16, "
+                    "else fp32)")
     ap.add_argument("--modeld-kv-mib", type=int, default=512, help="modeld's KV pool (an 8k bf16 session: 180 MiB)")
     ap.add_argument("--llama-n-batch", type=int, default=512)
     ap.add_argument("--llama-flash-attn", action="store_true")
@@ -485,7 +490,8 @@ def main() -> None:
     check_text = tok.decode(ids[:1024])
     job = {"model": model, "ids": ids[: max(contexts)], "contexts": contexts,
            "decode_contexts": [int(x) for x in a.decode_contexts.split(",")], "decode_tokens": a.decode_tokens,
-           "threads": a.threads, "warmup_tokens": 256, "modeld_weights": a.modeld_weights or _cpu_compute_dtype(),
+           "threads": a.threads, "warmup_tokens": 256, "modeld_weights": a.modeld_weights,
+           "modeld_kv": a.modeld_kv or _kv_default(),
            "modeld_kv_mib": a.modeld_kv_mib, "llama_n_batch": a.llama_n_batch,
            "llama_flash_attn": a.llama_flash_attn, "providers": providers,
            "check_text": check_text, "check_ids": tok.encode(check_text)}
