@@ -102,6 +102,27 @@ def run_contexts(job: dict, one) -> dict:  # noqa: ANN001  (one: (ids, n_new_tok
     return out
 
 
+def run_replay(job: dict, turn) -> dict | None:  # noqa: ANN001  (turn: (conversation ids, gen) -> (tokens, first_s))
+    """The agent replay: ``replay_turns`` turns, each appending the next ``replay_append`` tokens of the corpus (a
+    tool's output) to the conversation so far (earlier appends and replies) and generating ``replay_gen`` greedy
+    tokens. ``turn`` reuses the provider's own cache, as a user of it would: it gets the whole conversation and
+    computes only what its cache lacks. Per turn: its wall time (new tokens in -> last reply token out) and first
+    output. None when the job has no replay."""
+    if not job.get("replay_turns"):
+        return None
+    ids, size, gen = job["replay_ids"], job["replay_append"], job["replay_gen"]
+    conv: list[int] = []
+    turns = []
+    for i in range(job["replay_turns"]):
+        conv = conv + ids[i * size:(i + 1) * size]
+        t0 = time.perf_counter()
+        toks, first_s = turn(conv, gen)
+        turns.append({"turn_s": time.perf_counter() - t0, "first_output_s": first_s, "context": len(conv),
+                      "tokens": toks})
+        conv = conv + toks
+    return {"turns": turns, "total_s": sum(t["turn_s"] for t in turns)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # workers
 
@@ -146,7 +167,21 @@ def worker_modeld(job: dict) -> dict:
         return {"prefill_s": prefill_s, "first_output_s": prefill_s + (first_ms or 0.0) / 1e3,
                 "decode_ms": list(per_tok), "tokens": toks}
 
+    async def turn_async(conv: list[int], gen: int) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        await eng.ensure_prefix("replay", conv)          # the session's own KV holds every earlier turn
+        toks: list[int] = []
+        first_s = 0.0
+        async for ev in eng.decode("replay", SamplingParams(), gen, stop_token_ids=[]):
+            if not ev.done:
+                if not toks:
+                    first_s = time.perf_counter() - t0
+                toks.append(ev.token_id)
+        return toks, first_s
+
     res = run_contexts(job, lambda ids, gen: loop.run_until_complete(one_async(ids, gen)))
+    eng.clear_prefix_cache()
+    res["replay"] = run_replay(job, lambda conv, gen: loop.run_until_complete(turn_async(conv, gen)))
     cap = eng.capability()
     res.update(load_s=load_s, rss_after_load_mib=rss_loaded, threads=torch.get_num_threads(),
                versions={"torch": torch.__version__, "modeld": cap.get("runtime", {}).get("version")
@@ -195,7 +230,26 @@ def worker_llama(job: dict) -> dict:
     # the same ids come out of llama.cpp's own tokenizer? (a check on "same prompt", not part of the timing)
     text = job["check_text"]
     tok_same = llm.tokenize(text.encode(), add_bos=False, special=True) == job["check_ids"]
+    def turn(conv: list[int], gen: int) -> tuple[list[int], float]:
+        # keep the KV cells of the longest common prefix (eval() drops every cell past n_tokens), compute the rest
+        held = list(llm.input_ids[: llm.n_tokens])
+        keep = next((i for i, (x, y) in enumerate(zip(held, conv, strict=False)) if x != y), min(len(held), len(conv)))
+        keep = min(keep, len(conv) - 1)             # at least one new token, for its logits
+        llm.n_tokens = keep
+        t0 = time.perf_counter()
+        llm.eval(conv[keep:])
+        tok = int(np.argmax(last_logits()))
+        first_s = time.perf_counter() - t0
+        toks = [tok]
+        for _ in range(gen - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(last_logits()))
+            toks.append(tok)
+        return toks, first_s
+
     res = run_contexts(job, one)
+    llm.reset()
+    res["replay"] = run_replay(job, turn)
     res.update(load_s=load_s, rss_after_load_mib=rss_loaded, tokenizer_matches=tok_same,
                threads=job["threads"], versions={"llama-cpp-python": llama_cpp.__version__},
                config={"n_ctx": 8192, "n_batch": job["llama_n_batch"], "flash_attn": job["llama_flash_attn"],
@@ -249,7 +303,28 @@ def worker_hf(job: dict) -> dict:
             toks.append(tok)
         return {"prefill_s": prefill_s, "first_output_s": first_s, "decode_ms": per_tok, "tokens": toks}
 
+    state: dict = {"cache": None, "held": []}        # the conversation's cache and the tokens it holds
+
+    @torch.inference_mode()
+    def turn(conv: list[int], gen: int) -> tuple[list[int], float]:
+        held = state["held"]
+        assert conv[: len(held)] == held, "the replay's conversation only grows"
+        t0 = time.perf_counter()
+        kw = {cache_name: state["cache"]} if state["cache"] is not None else {}
+        out = model(input_ids=torch.tensor([conv[len(held):]]), use_cache=True, logits_to_keep=1, **kw)
+        tok = int(out.logits[0, -1].argmax())
+        first_s = time.perf_counter() - t0
+        pkv, toks = getattr(out, cache_name), [tok]
+        for _ in range(gen - 1):
+            out = model(input_ids=torch.tensor([[tok]]), use_cache=True, **{cache_name: pkv})
+            pkv = getattr(out, cache_name)
+            tok = int(out.logits[0, -1].argmax())
+            toks.append(tok)
+        state["cache"], state["held"] = pkv, conv + toks[:-1]    # the last reply token is not in the cache yet
+        return toks, first_s
+
     res = run_contexts(job, one)
+    res["replay"] = run_replay(job, turn)
     res.update(load_s=load_s, rss_after_load_mib=rss_loaded, tokenizer_matches=tok_same,
                threads=torch.get_num_threads(),
                versions={"transformers": transformers.__version__, "torch": torch.__version__},
@@ -388,6 +463,16 @@ def summarize(rounds: list[dict], job: dict) -> dict:
                  others_busy_cores_max=max(r["others_busy_cores"] for r in ok),
                  loadavg_1m_range=[min(loads), max(loads)], versions=ok[0]["versions"], config=ok[0]["config"],
                  threads=ok[0]["threads"], tokenizer_matches=ok[0].get("tokenizer_matches"))
+        reps = [r["replay"] for r in ok if r.get("replay")]
+        if reps:
+            p["replay"] = {"total_s": statistics.median(x["total_s"] for x in reps),
+                           "turn_p50_s": statistics.median(statistics.median(t["turn_s"] for t in x["turns"])
+                                                           for x in reps),
+                           "first_output_p50_s": statistics.median(
+                               statistics.median(t["first_output_s"] for t in x["turns"]) for x in reps),
+                           "last_turn_s": statistics.median(x["turns"][-1]["turn_s"] for x in reps),
+                           "turns": len(reps[0]["turns"]), "context_end": reps[0]["turns"][-1]["context"],
+                           "tokens": [t["tokens"] for t in reps[0]["turns"]]}
         s[prov] = p
     ref = s.get("modeld", {})
     for p in s.values():  # greedy tokens agreeing with modeld's, from the first token on
@@ -434,6 +519,17 @@ def table(s: dict, job: dict) -> str:
             row(f"greedy tokens equal to modeld's after {ctx_label(n)}",
                 lambda p, n=n: "(reference)" if p is s.get("modeld") else
                 f"{p['contexts'][n]['same_tokens_as_modeld']} of {job['decode_tokens']}")
+    if any("replay" in s[p] for p in provs if "error" not in s[p]):
+        row(f"agent replay total s ({job.get('replay_turns')} turns x {job.get('replay_append')} appended + "
+            f"{job.get('replay_gen')} generated)", lambda p: f"{p['replay']['total_s']:.1f}")
+        row("agent replay turn p50 s / last turn s", lambda p: "{turn_p50_s:.2f} / {last_turn_s:.2f}".format(
+            **p["replay"]))
+        row("agent replay first output p50 s", lambda p: f"{p['replay']['first_output_p50_s']:.2f}")
+        if "replay" in s.get("modeld", {}):
+            ref_turns = s["modeld"]["replay"]["tokens"]
+            row("replay turns whose reply equals modeld's", lambda p: "(reference)" if p is s.get("modeld") else
+                f"{sum(a == b for a, b in zip(p['replay']['tokens'], ref_turns, strict=False))} of "
+                f"{len(ref_turns)}")
     row("peak RSS MiB (whole run, incl. 8k)", lambda p: f"{p['peak_rss_mib']:,}")
     row("RSS after load MiB", lambda p: f"{p['rss_after_load_mib']:,}")
     row("load s", lambda p: f"{p['load_s']:.1f}")
@@ -468,6 +564,9 @@ def main() -> None:
     ap.add_argument("--worker-timeout", type=float, default=900)
     ap.add_argument("--wait-quiet", type=float, default=90,
                     help="before each provider run, wait up to this many seconds for the other processes to go quiet")
+    ap.add_argument("--replay-turns", type=int, default=10, help="agent replay turns (0: no replay)")
+    ap.add_argument("--replay-append", type=int, default=700, help="tokens each replay turn appends")
+    ap.add_argument("--replay-gen", type=int, default=32, help="greedy tokens each replay turn generates")
     ap.add_argument("--out", default="_out/peers_cpu.json")
     ap.add_argument("--report", metavar="JSON", help="only print the table of an earlier run's JSON")
     a = ap.parse_args()
@@ -494,7 +593,14 @@ def main() -> None:
            "modeld_kv": a.modeld_kv or _kv_default(),
            "modeld_kv_mib": a.modeld_kv_mib, "llama_n_batch": a.llama_n_batch,
            "llama_flash_attn": a.llama_flash_attn, "providers": providers,
-           "check_text": check_text, "check_ids": tok.encode(check_text)}
+           "check_text": check_text, "check_ids": tok.encode(check_text),
+           "replay_turns": a.replay_turns, "replay_append": a.replay_append, "replay_gen": a.replay_gen,
+           # the replay's appends: the corpus after the contexts' prompts (text no cold prompt above held)
+           "replay_ids": ids[max(contexts): max(contexts) + a.replay_turns * a.replay_append]}
+    if len(job["replay_ids"]) < a.replay_turns * a.replay_append:
+        sys.exit(f"corpus has only {len(ids)} tokens: too few for the replay after the {max(contexts)}-token prompt")
+    if a.replay_turns * (a.replay_append + a.replay_gen) > 8192:
+        sys.exit("the replay's conversation would outgrow the 8192-token context")
     pythons = {"modeld": sys.executable, "llama.cpp": a.peers_python, "hf": a.peers_python}
     for p in providers:
         if not os.path.exists(pythons[p]):
@@ -524,7 +630,8 @@ def main() -> None:
                   file=sys.stderr, flush=True)
         # after every round, so a run cut short still leaves its rounds (re-print with --report)
         meta.update(total_s=time.perf_counter() - t_all, loadavg_end=os.getloadavg(), rounds_done=len(rounds))
-        out = {"meta": meta, "job": {k: v for k, v in job.items() if k not in ("ids", "check_ids", "check_text")},
+        out = {"meta": meta, "job": {k: v for k, v in job.items()
+                                     if k not in ("ids", "check_ids", "check_text", "replay_ids")},
                "summary": summarize(rounds, job), "rounds": rounds}
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1, default=str))
