@@ -13,6 +13,11 @@ SUMMARY_MAX_BYTES = 2048
 _REASON_MAX = 600
 
 
+def _quantization(m: dict[str, Any]) -> str:
+    q = m["quantization"]
+    return f"{q['stored']} → {q['compute']}" + (f" ({q['kernel']})" if q.get("kernel") else "")
+
+
 def summary_for_status(report: dict[str, Any]) -> dict[str, Any]:
     """A flat summary for ``Cell.status.certification`` (and a Job's termination message), under 2 KiB as JSON:
     certified, gate, reason, topology, measuredAt (the Certification fields), then firstOutputP90Ms per tier,
@@ -85,7 +90,7 @@ def markdown(report: dict[str, Any], png_name: str | None = None) -> str:
             ("backend / runtime", lambda m: f"{m['backend']} ({m['runtime_version']})"),
             ("model family", lambda m: f"{m['model_family']} ({m['model_name']})"),
             ("model digest", lambda m: f"`{m['model_digest']}`"),
-            ("quantization (stored → compute)", lambda m: f"{m['quantization']['stored']} → {m['quantization']['compute']}"),
+            ("quantization (stored → compute, kernel)", _quantization),
             ("KV precision", lambda m: m["kv_precision"]),
             ("attention / prefix reuse", lambda m: f"{m['attention']} / {m['prefix_reuse']}"),
             ("capability context tier", lambda m: str(m["context_tier"])),
