@@ -21,7 +21,6 @@ The measurement is cached as JSON under ``<cache>/autotune/<key>.json``, keyed b
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from . import errors
+from .profile_gate import hardware, read_measurement, write_measurement
 
 AUTOTUNE_VERSION = 1
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
@@ -154,8 +154,6 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
 
 
 def _key(args: Any, cands: list[tuple[str, str]], threads: int, head_dense: bool) -> str:
-    from .profile_gate import hardware
-
     shapes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                             "intermediate_size", "vocab_size")}
     payload = {"v": AUTOTUNE_VERSION, "hardware": hardware("cpu"), "threads": threads, "shapes": shapes,
@@ -183,23 +181,13 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
     threads = torch.get_num_threads()
     key = _key(args, cands, threads, head_dense)
     path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
-    rows = None
-    if path and os.path.isfile(path):
-        with contextlib.suppress(OSError, ValueError):
-            with open(path) as f:
-                rec = json.load(f)
-            if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("candidates"), list):
-                rows = rec["candidates"]
-    cached = rows is not None
-    if rows is None:
-        rows = [measure(args, k, d, head_dense=head_dense) for k, d in cands]
-        if path:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"key": key, "candidates": rows, "threads": threads,
-                           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
-            os.replace(tmp, path)
+    rec = read_measurement(path, key, "candidates", list)
+    cached = rec is not None
+    if rec is None:
+        rec = {"key": key, "candidates": [measure(args, k, d, head_dense=head_dense) for k, d in cands],
+               "threads": threads, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        write_measurement(path, rec)
+    rows = rec["candidates"]
     best = min(rows, key=lambda r: r["turn_ms"])
     others = ", ".join(f"{r['name']} {r['turn_ms']} ms" for r in rows if r is not best)
     reason = (f"measured on this CPU ({threads} threads): a {TURN_PREFILL}-token append + {TURN_DECODE} decoded "

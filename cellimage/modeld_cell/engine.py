@@ -104,13 +104,14 @@ class Engine:
 
     def sibling(self, kv: str | None = None, attention: str | None = None, kv_mib: int | None = None,
                 settings: EngineSettings | None = None, identity: dict | None = None, context_tier: int | None = None,
-                **profile: Any) -> Engine:
+                model: Transformer | None = None, **profile: Any) -> Engine:
         """Another engine over this one's loaded weights and tokenizer, with its own KV pool (``kv_mib`` MiB of
         precision ``kv``), attention mode, settings, context tier and profile fields (``profile``: e.g.
         prefixReuse=False) on top of this cell's. No quality gate runs: quality smokes and tests build their
         candidates with it. ``kv_mib`` and ``context_tier`` may go below the CRD's minimums (a smoke holds a few
-        hundred tokens; a test overflows a 64-token tier): they size this in-process engine, no Cell says them."""
-        eng = sibling_engine(self, kv, attention, kv_mib, settings, identity, context_tier, profile)
+        hundred tokens; a test overflows a 64-token tier): they size this in-process engine, no Cell says them.
+        ``model``: another build of the same checkpoint instead of this one's weights (a smoke's fp32 reference)."""
+        eng = sibling_engine(self, kv, attention, kv_mib, settings, identity, context_tier, profile, model)
         eng.journal = None          # a smoke's or a test's engine: its sessions are not the cell's to keep
         return eng
 

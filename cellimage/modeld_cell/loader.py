@@ -136,13 +136,14 @@ def resolve_device(cfg: CellConfig, device: str | None) -> None:
 
 
 def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | None, cache_dir: str | None,
-                        stored_as: dict[str, str] | None = None) -> None:
+                        stored_as: dict[str, str] | None = None) -> set[str]:
     """Set ``cfg.weights`` (compute dtype) and ``cfg.weights_kernel`` for a single-rank CPU cell by a measurement
-    on this CPU (autotune.choose; cached), or as MODELD_WEIGHTS_PATH names it. A multi-rank cell keeps the compute
-    dtype its config chose (every rank must compute alike) and multiplies dense. A quantized format with no dense
-    path (int8) on another backend is refused by modeld_api.served before this runs."""
+    on this CPU (autotune.choose; cached), or as MODELD_WEIGHTS_PATH names it, and return the modules a quantized
+    kernel leaves dense (quantize.dense_modules). A multi-rank cell keeps the compute dtype its config chose (every
+    rank must compute alike) and multiplies dense. A quantized format with no dense path (int8) on another backend
+    is refused by modeld_api.served before this runs."""
     if cfg.backend != "torch" or cfg.parallelism not in ("single", "data"):
-        return
+        return set()
     from . import autotune
     from .quantize import FILE_TYPE, dense_modules
 
@@ -154,6 +155,7 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
     choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head_dense="output" in dense,
                              kernel_ok=kernel_ok)
     cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
+    return dense
 
 
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
@@ -162,9 +164,8 @@ def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
     """Read and check the checkpoint and build the model: (checkpoint, model, digest, source sha256, adapter).
     A quantized kernel's model is built in fp32, then its Linears are swapped for the quantized modules
     (quantize.py); the fp32 weights are then only the checkpoint's, which the caller clears."""
-    from .models import build_model, load_checkpoint
+    from .models import load_checkpoint
     from .models.lora import load_adapter
-    from .models.lora import merge as merge_adapter
 
     model_path = model_path or resolve_model_path(cfg)
     ckpt = load_checkpoint(model_path)
@@ -173,10 +174,25 @@ def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
                                 field="model.format")
     # a LoRA adapter (models/lora.py) is read and checked against the model's shapes before the model is built
     adapter = load_adapter(str(cfg.adapter), ckpt.args) if cfg.adapter else None
-    choose_weights_path(cfg, ckpt.args, settings, cache_dir, ckpt.info.get("stored_as"))
+    dense = choose_weights_path(cfg, ckpt.args, settings, cache_dir, ckpt.info.get("stored_as"))
     quantized = cfg.weights_kernel != "dense"
     built = torch.float32 if quantized else _DTYPES[cfg.weights]
-    model, digest, source_sha = build_model(ckpt, built, device=cfg.device, layers=layers)
+    model, digest, source_sha = _dense_model(ckpt, cfg, built, layers, adapter)
+    model.params_loaded = sum(p.numel() for p in model.parameters())
+    if quantized:
+        from .quantize import quantize_model
+        quantize_model(model, cfg.weights_kernel, _DTYPES[cfg.weights], dense=dense)
+    return ckpt, model, digest, source_sha, adapter
+
+
+def _dense_model(ckpt: Any, cfg: CellConfig, dtype: torch.dtype, layers: int | None,
+                 adapter: Any) -> tuple[Transformer, str, str]:
+    """The checkpoint's model in ``dtype``, dense: RoPE scaled as the spec says, the digest checked, the adapter
+    merged. (model, digest, source sha256)."""
+    from .models import build_model
+    from .models.lora import merge as merge_adapter
+
+    model, digest, source_sha = build_model(ckpt, dtype, device=cfg.device, layers=layers)
     scale_rope(model, cfg.spec.model.ropeScaling)
     if cfg.model_digest and cfg.model_digest not in (digest, digest.removeprefix("sha256:")):
         raise errors.BadRequest(f"model.digest {cfg.model_digest} does not match the loaded weights {digest}",
@@ -185,12 +201,7 @@ def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
         # merged after the digest check: model_digest stays the base weights' digest (what spec.model.digest pins);
         # the identity's "adapter" field names the adapter by its file's sha256
         merge_adapter(model, adapter)
-    model.params_loaded = sum(p.numel() for p in model.parameters())
-    if quantized:
-        from .quantize import dense_modules, quantize_model
-        quantize_model(model, cfg.weights_kernel, _DTYPES[cfg.weights],
-                       dense=dense_modules(model.args, cfg.weights_kernel, ckpt.info.get("stored_as")))
-    return ckpt, model, digest, source_sha, adapter
+    return model, digest, source_sha
 
 
 def _rank_pool(cfg: CellConfig, model: Transformer) -> PagedKVCache:
@@ -305,7 +316,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         identity["backend"] += f" {cfg.parallelism} x{rk.world}"
     eng = cls(model, ckpt.tokenizer, kv, cfg, identity, settings, runner=runner)
     if cfg.weights_kernel != "dense":     # the quality smoke's reference: the checkpoint in fp32, built if measured
-        eng.fp32_weights = lambda: _fp32_model(ckpt, cfg, layers)
+        eng.fp32_weights = lambda: _dense_model(ckpt, cfg, torch.float32, layers, adapter)[0]
     try:
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
@@ -342,19 +353,6 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-def _fp32_model(ckpt: Any, cfg: CellConfig, layers: int | None) -> Transformer:
-    """The checkpoint's weights in fp32, dense (adapter merged, RoPE scaled): a quality smoke's reference."""
-    from .models import build_model
-    from .models.lora import load_adapter
-    from .models.lora import merge as merge_adapter
-
-    model, _, _ = build_model(ckpt, torch.float32, device=cfg.device, layers=layers)
-    scale_rope(model, cfg.spec.model.ropeScaling)
-    if cfg.adapter:
-        merge_adapter(model, load_adapter(str(cfg.adapter), ckpt.args))
-    return model
-
-
 def _gate_whole_model(cls: type[Engine], cfg: CellConfig, tokenizer: Any, model: Transformer, identity: dict,
                       settings: EngineSettings, quality_cache: str | None) -> list[dict]:
     """A tensor- or pipeline-parallel cell with a lossy KV format: its quality smoke (profile_gate) on rank 0, on a
@@ -376,19 +374,21 @@ def _gate_whole_model(cls: type[Engine], cfg: CellConfig, tokenizer: Any, model:
 
 def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: int | None,
                    settings: EngineSettings | None, identity: dict | None, context_tier: int | None,
-                   profile: dict[str, Any]) -> Engine:
-    """Engine.sibling: an engine over ``base``'s loaded weights and tokenizer with its own KV pool, config and
-    settings (no weights loaded, no quality gate)."""
+                   profile: dict[str, Any], model: Transformer | None = None) -> Engine:
+    """Engine.sibling: an engine over ``base``'s loaded weights (or ``model``, another build of the same checkpoint:
+    a quality smoke's fp32 reference) and tokenizer with its own KV pool, config and settings (no weights loaded,
+    no quality gate)."""
     profile.update({k: v for k, v in (("kv", kv), ("attention", attention)) if v is not None})
     cfg = base.config.with_profile(**profile)
     if kv_mib is not None:
         cfg.kv_memory_mib = kv_mib
     if context_tier is not None:
         cfg.context_tier = context_tier
-    a = base.model.args
+    model = model if model is not None else base.model
+    a = model.args
     cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(cfg.kv), cfg.kv_memory_mib << 20,
                          base.kv.block_size, device=base.kv.device)
-    e = type(base)(base.model, base.tokenizer, cache, cfg, dict(base.identity, kv_dtype=cfg.kv, **(identity or {})),
+    e = type(base)(model, base.tokenizer, cache, cfg, dict(base.identity, kv_dtype=cfg.kv, **(identity or {})),
                    settings or dataclasses.replace(base.settings))
     e.runner.choose_decode_kernel(e.settings.decode_attention)   # its own choice, for its KV format
     return e

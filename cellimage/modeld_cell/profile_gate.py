@@ -151,26 +151,14 @@ async def _measure(engine: Any, profile: str) -> dict[str, Any]:
 
 
 def _fp32_reference(engine: Any) -> Any:
-    """An engine over the cell's checkpoint in fp32 with dense matmuls (``engine.fp32_weights``, the loader's
-    builder, alive only while the loader gates the cell), fp32 KV, dense attention."""
-    from .kv_cache import PagedKVCache, kv_format
-
+    """A sibling of ``engine`` over the cell's checkpoint in fp32 with dense matmuls (``engine.fp32_weights``, the
+    loader's builder, alive only while the loader gates the cell), fp32 KV, dense attention."""
     build = getattr(engine, "fp32_weights", None)
     if build is None:
         raise errors.Fatal("the quality smoke of quantized weights needs the checkpoint's fp32 weights: gate the "
                            "engine while the loader holds them (loader.load_engine)")
-    model = build()
-    cfg = engine.config.with_profile(kv="fp32", attention="dense")
-    cfg.weights, cfg.weights_kernel, cfg.weights_choice = "fp32", "dense", None
-    a = model.args
-    cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format("fp32"), KV_SMOKE_MIB << 20,
-                         engine.kv.block_size, device=engine.kv.device)
-    ref = type(engine)(model, engine.tokenizer, cache, cfg, dict(engine.identity, weights_dtype="fp32",
-                                                                   weights_kernel="dense", kv_dtype="fp32"),
-                       engine.settings)
-    ref.journal = None
-    ref.runner.choose_decode_kernel(ref.settings.decode_attention)
-    return ref
+    return engine.sibling(kv="fp32", attention="dense", kv_mib=KV_SMOKE_MIB, model=build(), weights="fp32",
+                          identity={"weights_dtype": "fp32", "weights_kernel": "dense"})
 
 
 def _run(coro: Any) -> Any:
@@ -184,6 +172,30 @@ def _run(coro: Any) -> Any:
         return ex.submit(asyncio.run, coro).result()
 
 
+def read_measurement(path: str | None, key: str, field: str, kind: type) -> dict[str, Any] | None:
+    """A cached measurement record (JSON at ``path``) whose ``key`` is ``key`` and whose ``field`` is a ``kind``;
+    None when there is none, or it is unreadable or foreign (then it is measured again)."""
+    if not path or not os.path.isfile(path):
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            rec = json.load(f)
+        if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get(field), kind):
+            return rec
+    return None
+
+
+def write_measurement(path: str | None, rec: dict[str, Any]) -> None:
+    """Write a measurement record to ``path`` (None: not cached) whole or not at all (a temporary file, renamed)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(rec, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
 def verdict(engine: Any, profile: str, cache_dir: str | None,
             thresholds: dict[str, Any] | None = None, hw: dict[str, Any] | None = None) -> Verdict:
     """The verdict on ``profile`` for ``engine``'s weights on this hardware: the cached measurement when one exists
@@ -191,13 +203,7 @@ def verdict(engine: Any, profile: str, cache_dir: str | None,
     hw = hw if hw is not None else hardware(engine.kv.device)
     key = measurement_key(engine, profile, hw)
     path = os.path.join(cache_dir, "quality", f"{key}.json") if cache_dir else None
-    rec = None
-    if path and os.path.isfile(path):
-        with contextlib.suppress(OSError, ValueError):
-            with open(path) as f:
-                rec = json.load(f)
-            if not (isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("result"), dict)):
-                rec = None                  # unreadable or foreign: measure again
+    rec = read_measurement(path, key, "result", dict)
     cached = rec is not None
     if rec is None:
         t0 = time.perf_counter()
@@ -205,12 +211,7 @@ def verdict(engine: Any, profile: str, cache_dir: str | None,
         rec = {"key": key, "profile": profile, "hardware": hw, "result": result,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "measure_s": round(time.perf_counter() - t0, 2)}
-        if path:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(rec, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
+        write_measurement(path, rec)
     t = dict(thresholds if thresholds is not None else quality.PROFILE_THRESHOLDS[profile])
     failures = quality.check(profile, rec["result"], t)
     if profile == "block-sparse" and not rec["result"].get("sparse_chunks"):

@@ -41,19 +41,25 @@ def bf16(smollm2_path: str) -> Engine:
     eng.shutdown()
 
 
-@pytest.fixture
-def sibling(bf16: Engine):
-    """Engines over the bf16 weights with their own KV pool, prefill chunk size and KV format."""
+def siblings_of(base: Engine, kv_default: str):
+    """A fixture body: sib(chunk, kv, prefix_reuse) makes engines over ``base``'s weights with their own KV pool,
+    prefill chunk size and KV format; they are shut down when the fixture ends."""
     made: list[Engine] = []
-    make = engine_factory(bf16, bf16.config.raw, made)
+    make = engine_factory(base, base.config.raw, made)
 
-    def sib(chunk: int = 512, kv: str = "bf16", prefix_reuse: bool = True) -> Engine:
+    def sib(chunk: int = 512, kv: str = kv_default, prefix_reuse: bool = True) -> Engine:
         return make(kv=kv, settings=EngineSettings(threads=torch.get_num_threads(), prefill_chunk=chunk),
                     profile={"prefixReuse": prefix_reuse})
 
     yield sib
     for e in made:
         e.shutdown()
+
+
+@pytest.fixture
+def sibling(bf16: Engine):
+    """Engines over the bf16 weights with their own KV pool, prefill chunk size and KV format."""
+    yield from siblings_of(bf16, "bf16")
 
 
 def prompt(eng: Engine, n: int) -> list[int]:

@@ -14,13 +14,13 @@ import torch
 
 from modeld_cell import autotune, errors, profile_gate
 from modeld_cell.engine import Engine, EngineSettings
-from modeld_cell.loader import _fp32_model
+from modeld_cell.loader import _dense_model
 from modeld_cell.models import load_checkpoint
 from modeld_cell.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, QuantEmbedding
 
 from .cellutil import generate
-from .conftest import SPEC, engine_factory
-from .test_invariance import assert_like_cold, prompt
+from .conftest import SPEC
+from .test_invariance import assert_like_cold, prompt, siblings_of
 
 pytestmark = pytest.mark.cell
 
@@ -41,17 +41,8 @@ def quant(request, smollm2_path: str) -> Engine:
 
 @pytest.fixture
 def sibling(quant: Engine):
-    made: list[Engine] = []
-    make = engine_factory(quant, quant.config.raw, made)
-
-    def sib(chunk: int = 512, kv: str = DTYPE, prefix_reuse: bool = True) -> Engine:
-        return make(kv=kv, settings=EngineSettings(threads=torch.get_num_threads(), prefill_chunk=chunk,
-                                                   weights_path=f"{quant.fmt}-{DTYPE}"),
-                    profile={"prefixReuse": prefix_reuse})
-
-    yield sib
-    for e in made:
-        e.shutdown()
+    """Engines over the quantized weights (siblings keep the kernel) with their own KV pool and chunk size."""
+    yield from siblings_of(quant, DTYPE)
 
 
 def test_the_kernel_multiplies_the_weights(quant, engine):
@@ -95,7 +86,7 @@ def test_the_quality_gate_measures_against_the_fp32_checkpoint(quant, smollm2_pa
     if quant.fmt != "int8":
         pytest.skip("one format is enough for the mechanism (the smoke is the same code)")
     ckpt = load_checkpoint(smollm2_path)
-    quant.fp32_weights = lambda: _fp32_model(ckpt, quant.config, None)
+    quant.fp32_weights = lambda: _dense_model(ckpt, quant.config, torch.float32, None, None)[0]
     try:
         lax = {"greedy_agreement_min": 0.0, "kl_mean_max": 1e9, "kl_max_max": 1e9, "capital": False,
                "passkey": False}
