@@ -102,6 +102,7 @@ def _crd(
     columns: list[dict[str, Any]],
     root_rules: list[dict[str, str]],
     scale: bool,
+    selectable: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     status_schema = schema_for(status, defaults=False)
     _conditions_as_map(status_schema)
@@ -144,6 +145,7 @@ def _crd(
                     "storage": True,
                     "subresources": subresources,
                     "additionalPrinterColumns": columns,
+                    **({"selectableFields": [{"jsonPath": p} for p in selectable]} if selectable else {}),
                     "schema": {"openAPIV3Schema": root},
                 }
             ],
@@ -189,7 +191,7 @@ def crds() -> dict[str, dict[str, Any]]:
             ),
             api.cel(
                 f"size(self.metadata.name) <= {api.CELL_NAME_MAX} && self.metadata.name.matches('{api.NAME_PATTERN}')",
-                f"metadata.name: a Cell's name is the value of its pods' and Sessions' {api.LABEL_CELL} label and "
+                f"metadata.name: a Cell's name is the value of its pods' {api.LABEL_CELL} label and "
                 f"part of its objects' names (cell-<name>, certify-<name>-<key>): at most {api.CELL_NAME_MAX} "
                 "lowercase letters, digits and '-', starting and ending with a letter or digit (no dots)",
             ),
@@ -219,6 +221,9 @@ def crds() -> dict[str, dict[str, Any]]:
             ),
         ],
         scale=False,
+        # `kubectl get sessions --field-selector status.cell=<cell>`: the binding lives in the status alone (a label
+        # too cost a second write per bind: docs/operator.md, "Scale")
+        selectable=(".status.cell", ".status.phase"),
     )
     return {"cells.yaml": cell, "sessions.yaml": session}
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import urllib.error
 import urllib.request
 from typing import Any
 
 import kopf
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -91,11 +93,11 @@ def patch_labels(plural: str, namespace: str, name: str, labels: dict[str, str |
             _raise(exc, f"labelling {plural}/{name}")
 
 
-def list_objects(plural: str, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+def list_objects(plural: str, namespace: str, label_selector: str = "", field_selector: str = "") -> list[dict[str, Any]]:
     try:
         res: Any = custom().list_namespaced_custom_object(
-            api.GROUP, api.VERSION, namespace, plural, label_selector=label_selector, _request_timeout=TIMEOUT
-        )
+            api.GROUP, api.VERSION, namespace, plural, label_selector=label_selector, field_selector=field_selector,
+            _request_timeout=TIMEOUT)
     except ApiException as exc:
         _raise(exc, f"listing {plural}")
     return list(res.get("items", []))
@@ -111,6 +113,24 @@ def get_object(plural: str, namespace: str, name: str) -> dict[str, Any] | None:
             return None
         _raise(exc, f"reading {plural}/{name}")
     return None
+
+
+def post_event(body: Any, type: str, reason: str, message: str) -> None:
+    """An Event on ``body``'s object, posted at once (kopf.event queues it, but only from inside a kopf handler).
+    Best effort, as kopf's: an Event that cannot be posted is not worth failing the work it reports."""
+    meta = body.get("metadata") or {}
+    stamp = dt.datetime.now(dt.timezone.utc).isoformat()
+    event = {
+        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": meta.get("namespace")},
+        "involvedObject": {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "name": meta.get("name"),
+                           "namespace": meta.get("namespace"), "uid": meta.get("uid")},
+        "type": type, "reason": reason, "message": message[:1024], "count": 1,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "source": {"component": "modeld-operator"},
+    }
+    try:
+        core().create_namespaced_event(meta.get("namespace"), event, _request_timeout=TIMEOUT)  # type: ignore[arg-type]
+    except (ApiException, OSError, urllib3.exceptions.HTTPError):
+        pass
 
 
 def list_nodes() -> list[dict[str, Any]]:

@@ -248,6 +248,13 @@ def test_sessions_bind_to_a_real_worker_and_unbind(cluster, operator, namespace)
     assert condition(st, "Bound")["status"] == "True"
     (chosen,) = [c for c in st["candidates"] if c["chosen"]]     # the status says what was considered, and why
     assert chosen["cell"] == "cpu" and chosen["reason"] == st["reason"] and "workload agent" in chosen["reason"], st
+    # The binding is the status alone: no finalizer, label or kopf annotation was written on the Session (each a
+    # write per bind at scale), and `kubectl get sessions --field-selector status.cell=cpu` finds it.
+    meta = cluster.get("session", "fits", namespace)["metadata"]
+    assert not meta.get("finalizers") and not meta.get("labels"), meta
+    assert not [a for a in meta.get("annotations") or {} if "kopf" in a or a.startswith("modeld.contenox.io/")], meta
+    found = cluster.kubectl("get", "sessions", "-n", namespace, "--field-selector", "status.cell=cpu", "-o", "name")
+    assert found.stdout.split() == ["session.modeld.contenox.io/fits"], found.stdout
 
     for name, why in [("too-long", "a smaller context tier"), ("other-family", "no cell fits llama3")]:
         pending = wait_until(f"{name} pending", lambda n=name: (s := status_of(cluster, namespace, "session", n)).get("phase") == "Pending" and s, timeout=60)

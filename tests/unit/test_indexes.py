@@ -4,6 +4,8 @@ bindings a Cell's refresh sends back."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 import modeld_api as api
@@ -15,12 +17,18 @@ from modeld_operator.handlers.indexes import (
     alive,
     cell_entry,
     cell_index,
+    pending_index,
     pod_index,
     session_index,
 )
 from modeld_operator.handlers.session import _cell_views
 
 pytestmark = pytest.mark.unit
+
+
+def run(indexer, **kw):
+    """kopf's indexers are async (no thread hop per watch event); each is a pure function of the object."""
+    return asyncio.run(indexer(**kw))
 
 SPEC = {"model": {"family": "smollm2", "ref": "/models/smollm2"}, "runtime": {"backend": "torch"},
         "topology": {"gpus": 0, "interconnect": "none"}, "contextTier": 2048}
@@ -39,28 +47,28 @@ def test_a_cell_entry_keeps_its_parsed_spec_ready_endpoints_and_certification():
     assert [e.url for e in entry.ready_endpoints] == ["http://127.0.0.1:1"]     # ready and with a URL only
     assert entry.certified is True and entry.gate == "context" and entry.summary["firstOutputP90Ms"] == {"2048": 10.0}
     assert cell_entry("c", {"contextTier": "big"}, {}).spec is None             # its own handler reports it
-    assert set(cell_index(name="c", namespace="ns", spec=SPEC, status=status)) == {"ns", ("ns", "c")}
+    assert set(run(cell_index, name="c", namespace="ns", spec=SPEC, status=status)) == {"ns", ("ns", "c")}
 
 
 def test_only_bound_sessions_are_indexed_by_their_cell():
     bound = {"phase": "Bound", "cell": "c", "endpoint": "http://127.0.0.1:1", "workerInstance": "i1"}
-    assert session_index(name="s", namespace="ns", status=bound) == {("ns", "c"): BoundSession("s", "http://127.0.0.1:1", "i1")}
-    assert session_index(name="s", namespace="ns", status={"phase": "Pending"}) is None
-    assert session_index(name="s", namespace="ns", status={}) is None
+    assert run(session_index, name="s", namespace="ns", status=bound) == {("ns", "c"): BoundSession("s", "http://127.0.0.1:1", "i1")}
+    assert run(session_index, name="s", namespace="ns", status={"phase": "Pending"}) is None
+    assert run(session_index, name="s", namespace="ns", status={}) is None
 
 
 def test_pods_are_indexed_by_cell_or_certification_job_without_their_environment():
     meta = {"name": "cell-c-1", "labels": {}}
     spec = {"nodeName": "n1", "containers": [{"env": [{"name": "MODELD_CELL_SPEC", "value": "x" * 10_000}]}]}
     status = {"phase": "Running", "podIP": "127.30.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
-    worker = pod_index(namespace="ns", meta=meta, spec=spec, status=status, labels={api.LABEL_CELL: "c"})
+    worker = run(pod_index, namespace="ns", meta=meta, spec=spec, status=status, labels={api.LABEL_CELL: "c"})
     assert list(worker) == [("cell", "ns", "c")]
     slim = worker[("cell", "ns", "c")]
     assert slim["spec"] == {"nodeName": "n1"} and slim["status"]["podIP"] == "127.30.0.5"
-    job = pod_index(namespace="ns", meta=meta, spec=spec, status=status,
+    job = run(pod_index, namespace="ns", meta=meta, spec=spec, status=status,
                     labels={api.LABEL_CERTIFIES: "c", "batch.kubernetes.io/job-name": "certify-c-k"})
     assert list(job) == [("job", "ns", "certify-c-k")]
-    assert pod_index(namespace="ns", meta=meta, spec=spec, status=status, labels={}) is None
+    assert run(pod_index, namespace="ns", meta=meta, spec=spec, status=status, labels={}) is None
 
 
 def test_a_bind_weighs_the_namespaces_cells_with_their_load_from_the_indexes():
@@ -120,7 +128,7 @@ def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatc
 
 
 def test_a_bind_made_here_is_not_made_again_from_an_older_body():
-    """The create handler and the retry timer read bodies that predate each other's bind."""
+    """The watch handler and the retry sweep read bodies that predate each other's bind."""
     b = Bindings()
     assert b.lock("ns", "s") is b.lock("ns", "s")
     assert not b.ahead_of("ns", "s", {"phase": "Pending"})
@@ -131,6 +139,31 @@ def test_a_bind_made_here_is_not_made_again_from_an_older_body():
     b.made("ns", "s", "http://127.0.0.1:1")
     b.forget("ns", "s")                                          # sent back by its cell: rebind for real
     assert not b.ahead_of("ns", "s", {"phase": "Pending"})
+
+
+def test_a_bind_whose_write_never_showed_up_is_made_again():
+    """The status write of a bind failed (the apiserver timed out): after the TTL the session is bound again."""
+    now = [100.0]
+    b = Bindings(ttl=30.0, clock=lambda: now[0])
+    b.made("ns", "s", "http://127.0.0.1:1")
+    now[0] += 29.0
+    assert b.ahead_of("ns", "s", {"phase": "Pending"})
+    now[0] += 2.0
+    assert not b.ahead_of("ns", "s", {"phase": "Pending"})
+    assert not b.ahead_of("ns", "s", {"phase": "Pending"})     # forgotten, not asked again
+
+
+def test_pending_sessions_are_indexed_slim_for_the_retry_sweep():
+    body = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": "Session",
+            "metadata": {"name": "s", "namespace": "ns", "uid": "u1", "generation": 2, "creationTimestamp": "t",
+                         "managedFields": [{"manager": "kubectl"}] * 50, "annotations": {"big": "x" * 10_000}},
+            "spec": {"modelFamily": "smollm2"}, "status": {"phase": "Pending"}}
+    (entry,) = run(pending_index, body=body, status=body["status"], meta=body["metadata"]).values()
+    assert entry["metadata"] == {"name": "s", "namespace": "ns", "uid": "u1", "generation": 2, "creationTimestamp": "t"}
+    assert entry["spec"] == {"modelFamily": "smollm2"} and entry["apiVersion"] == body["apiVersion"]
+    assert run(pending_index, body=body, status={"phase": "Bound"}, meta=body["metadata"]) is None
+    going = {**body["metadata"], "deletionTimestamp": "t"}
+    assert run(pending_index, body=body, status={}, meta=going) is None
 
 
 def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypatch):
@@ -149,7 +182,7 @@ def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypat
     def refresh(pod_spec: api.CellSpec) -> dict:
         meta = {"name": "cell-c-1", "annotations": {api.ANNOTATION_SPEC_HASH: placement.spec_hash(pod_spec)}}
         status = {"phase": "Running", "podIP": "127.30.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
-        pods = {key: [pod] for key, pod in pod_index(namespace="ns", meta=meta, spec={"nodeName": "n1"}, status=status,
+        pods = {key: [pod] for key, pod in run(pod_index, namespace="ns", meta=meta, spec={"nodeName": "n1"}, status=status,
                                                      labels={api.LABEL_CELL: "c"}).items()}
         node = placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)
         idx = cell_handlers.Indexes({"all": [node], ("node", "n1"): [node]}, pods, {}, {})  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -308,15 +309,15 @@ def test_node_index_keeps_what_placement_reads():
                        "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "t"}],
                        "images": [{"names": ["a"]}]}}
     before = NODES.version
-    entry = node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"])
+    entry = asyncio.run(node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"]))
     assert list(entry) == ["all", ("node", "gpu-1")] and entry["all"] is entry[("node", "gpu-1")]
     assert entry["all"] == placement.NodeView.from_obj(node)
     assert NODES.version == before + 1
     node["status"]["conditions"][0]["lastHeartbeatTime"] = "t2"                         # a heartbeat
-    node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"])
+    asyncio.run(node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"]))
     assert NODES.version == before + 1
     node["metadata"]["labels"]["modeld.contenox.io/interconnect"] = "pcie"              # what placement reads
-    node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"])
+    asyncio.run(node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"]))
     assert NODES.version == before + 2
 
 

@@ -126,7 +126,7 @@ NODES = NodeVersions()
 
 
 @kopf.index("", "v1", "nodes")
-def node_index(name: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[Any, placement.NodeView]:
+async def node_index(name: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[Any, placement.NodeView]:
     """Every node, as placement reads it (all under "all", each under ("node", name)), kept current by one watch."""
     view = placement.NodeView.from_obj({
         "metadata": {"name": name, "labels": dict(meta.get("labels") or {})},
@@ -295,7 +295,8 @@ def send_back(namespace: str, session: str, reason: str, message: str) -> None:
     if obj is None:
         return
     BINDINGS.forget(namespace, session)
-    kube.patch_labels("sessions", namespace, session, {api.LABEL_CELL: None})
+    if api.LABEL_CELL in (obj["metadata"].get("labels") or {}):   # an older operator labelled its bindings
+        kube.patch_labels("sessions", namespace, session, {api.LABEL_CELL: None})
     old = obj.get("status") or {}
     conditions, _changed = set_condition(old.get("conditions"), "Bound", False, reason, message,
                                          obj["metadata"].get("generation"))
@@ -310,9 +311,10 @@ def release_sessions(name: str, namespace: str | None, **kw: Any) -> None:
     namespace = kube.namespaced(namespace)
     _PLANS.pop((namespace, name), None)
     metrics.forget_cell(namespace, name)
-    # the index, and the label (one list per deleted Cell): a session whose bind landed as the Cell went may be in
-    # only one of them yet, and no timer would ever check a binding to a Cell that is gone
+    # the index, and the apiserver (one list per deleted Cell, by the selectable field status.cell): a session whose
+    # bind landed as the Cell went may be in only one of them yet, and nothing would ever check a binding to a Cell
+    # that is gone
     names = {s.name for s in store(Indexes.of(kw).sessions, (namespace, name))}
-    names |= {o["metadata"]["name"] for o in kube.list_objects("sessions", namespace, f"{api.LABEL_CELL}={name}")}
+    names |= {o["metadata"]["name"] for o in kube.list_objects("sessions", namespace, field_selector=f"status.cell={name}")}
     for session in sorted(names):
         send_back(namespace, session, "CellDeleted", f"cell {name} was deleted")

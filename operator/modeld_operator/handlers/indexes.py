@@ -1,11 +1,16 @@
 """In-memory indexes the handlers read instead of listing: kopf keeps each current from one watch per kind, so
 binding a Session or refreshing a Cell costs no list call against the apiserver, and no handler's work grows with
 the number of objects outside its own namespace (docs/operator.md, "Scale"). kopf fills every index before any
-handler runs, and passes each to every handler by its function's name."""
+handler runs, and passes each to every handler by its function's name.
+
+The indexers kopf calls are ``async``: a sync one runs in kopf's thread pool, a thread hop per watch event of every
+pod, node, Cell and Session; each is a pure function of the object, so nothing blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,21 +57,62 @@ def cell_entry(name: str, spec: Any, status: Any) -> CellEntry:
     return CellEntry(name, parsed, ready, certified, dict(cert.get("summary") or {}), cert.get("gate"))
 
 
+class CellChanges:
+    """Set when what a bind reads of some Cell changed (its spec, ready endpoints or certification): the Session
+    retry sweep wakes on it instead of waiting out its interval, so a Session that waited for a cell binds as soon
+    as the cell is ready."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[Any, str], CellEntry] = {}
+        self.event: asyncio.Event | None = None     # made in the operator's loop (the sweep's start)
+
+    def saw(self, namespace: Any, entry: CellEntry) -> None:
+        if self._seen.get((namespace, entry.name)) != entry:
+            self._seen[(namespace, entry.name)] = entry
+            if self.event is not None:
+                self.event.set()
+
+
+CELL_CHANGES = CellChanges()
+
+
 @kopf.index(*CELLS)
-def cell_index(name: str, namespace: str | None, spec: kopf.Spec, status: kopf.Status,
-               **_: Any) -> dict[Any, CellEntry]:
+async def cell_index(name: str, namespace: str | None, spec: kopf.Spec, status: kopf.Status,
+                     **_: Any) -> dict[Any, CellEntry]:
     """Cells by namespace (the candidates of a bind) and by (namespace, name)."""
     entry = cell_entry(name, spec, status)
+    CELL_CHANGES.saw(namespace, entry)
     return {namespace: entry, (namespace, name): entry}
 
 
 @kopf.index(*SESSIONS)
-def session_index(name: str, namespace: str | None, status: kopf.Status, **_: Any) -> dict[Any, BoundSession] | None:
+async def session_index(name: str, namespace: str | None, status: kopf.Status, **_: Any) -> dict[Any, BoundSession] | None:
     """Bound Sessions by (namespace, cell): a cell's load, and the bindings its status refresh checks."""
     st = dict(status or {})
     if st.get("phase") != "Bound" or not st.get("cell"):
         return None
     return {(namespace, st["cell"]): BoundSession(name, st.get("endpoint"), st.get("workerInstance"))}
+
+
+def slim_session(body: Any) -> dict[str, Any]:
+    """What a retried bind reads of a Session (and what its Event names): not its managedFields or annotations."""
+    meta = body.get("metadata") or {}
+    return {
+        "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+        "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation", "creationTimestamp")},
+        "spec": dict(body.get("spec") or {}),
+        "status": dict(body.get("status") or {}),
+    }
+
+
+@kopf.index(*SESSIONS)
+async def pending_index(body: kopf.Body, status: kopf.Status, meta: kopf.Meta, **_: Any) -> dict[Any, Any] | None:
+    """Sessions not Bound (and not being deleted), all under "pending": what the retry sweep binds again
+    (session.py). A Session has no timer of its own: a kopf timer holds a finalizer on its object, two more writes
+    per Session, and a task per Session."""
+    if dict(status or {}).get("phase") == "Bound" or meta.get("deletionTimestamp"):
+        return None
+    return {"pending": slim_session(body)}
 
 
 def alive(session: BoundSession, endpoints: list[api.Endpoint]) -> bool:
@@ -78,22 +124,24 @@ def alive(session: BoundSession, endpoints: list[api.Endpoint]) -> bool:
 
 
 class Bindings:
-    """One bind at a time per Session, and what this process bound before the watch shows it. A Session's create
-    handler and its retry timer (while it is not Bound) run apart in kopf; both read the body of an event, which
-    predates a bind the other just made, so without this both bind it (two status writes and Events, maybe two
-    cells): the scale benchmark measured 1.9 status writes per bind before."""
+    """One bind at a time per Session, and what this process bound before the watch shows it. A Session's watch
+    handler and the retry sweep run apart; both read a body that may predate a bind the other just made, so without
+    this both bind it (two status writes and Events, maybe two cells): the scale benchmark measured 1.9 status writes
+    per bind before. A bind not seen within ``ttl`` seconds is taken as lost (its status write failed), and the
+    session is bound again."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl: float = 30.0, clock: Any = time.monotonic) -> None:
         self._guard = threading.Lock()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._bound: dict[tuple[str, str], str] = {}
+        self._bound: dict[tuple[str, str], tuple[str, float]] = {}
+        self.ttl, self._clock = ttl, clock
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
     def made(self, namespace: str, name: str, endpoint: str) -> None:
-        self._bound[(namespace, name)] = endpoint
+        self._bound[(namespace, name)] = (endpoint, self._clock())
 
     def ahead_of(self, namespace: str, name: str, status: dict[str, Any]) -> bool:
         """This process bound the session and ``status`` (from an older body) does not show it yet."""
@@ -101,7 +149,11 @@ class Bindings:
         if status.get("phase") == "Bound":
             self._bound.pop(key, None)     # the watch caught up
             return False
-        return key in self._bound
+        made = self._bound.get(key)
+        if made is not None and self._clock() - made[1] > self.ttl:
+            self._bound.pop(key, None)     # never showed up: the write was lost
+            return False
+        return made is not None
 
     def forget(self, namespace: str, name: str, deleted: bool = False) -> None:
         """Sent back to Pending (its next bind is real), or deleted."""
@@ -128,7 +180,7 @@ def slim_pod(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
 
 
 @kopf.index("", "v1", "pods", labels={api.LABEL_MANAGED_BY: "modeld"})
-def pod_index(namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, labels: kopf.Labels,
+async def pod_index(namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, labels: kopf.Labels,
               **_: Any) -> dict[Any, dict[str, Any]] | None:
     """A cell's worker pods by ("cell", namespace, cell); a certification Job's pods by ("job", namespace, job)."""
     pod = slim_pod(meta, spec, status)

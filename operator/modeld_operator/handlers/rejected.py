@@ -39,7 +39,16 @@ def report(plural: str, namespace: str, name: str, body: Any, message: str) -> N
     if get_condition(status.get("conditions"), CONDITION) != get_condition(conditions, CONDITION):
         kube.patch_status(plural, namespace, name, patch)
     if changed:
-        kopf.event(body, type="Warning", reason=REASON, message=message)
+        emit(body, "Warning", REASON, message)
+
+
+def emit(body: Any, type: str, reason: str, message: str) -> None:
+    """An Event on the object: kopf's (queued, posted by kopf) inside a kopf handler; posted at once outside one
+    (the Session retry sweep, which kopf does not run)."""
+    try:
+        kopf.event(body, type=type, reason=reason, message=message)
+    except LookupError:           # kopf's event queue is bound only in the context of its handlers
+        kube.post_event(body, type, reason, message)
 
 
 def accepted(plural: str, namespace: str, name: str, body: Any, patch: Any = None) -> None:

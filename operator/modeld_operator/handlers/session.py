@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import logging
 from typing import Any
 from urllib.parse import quote
 
@@ -12,9 +14,11 @@ from pydantic import ValidationError
 import modeld_api as api
 from modeld_operator import kube, metrics, placement
 from modeld_operator.conditions import now, set_condition, spec_errors
-from modeld_operator.handlers.indexes import BINDINGS, SESSIONS, BoundSession, CellEntry, alive, store
-from modeld_operator.handlers.rejected import Reported, surfaced
+from modeld_operator.handlers.indexes import BINDINGS, CELL_CHANGES, SESSIONS, BoundSession, CellEntry, alive, store
+from modeld_operator.handlers.rejected import Reported, emit, surfaced
 from modeld_operator.settings import SETTINGS
+
+log = logging.getLogger("modeld_operator.session")
 
 
 def covering(summary: dict[str, Any], required: int) -> tuple[int | None, float | None, float | None]:
@@ -103,15 +107,13 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec, kw:
         if pending != {k: status.get(k) for k in pending}:
             kw["patch"]["status"] = pending
         if changed:
-            kopf.event(body, type="Warning", reason="NoFittingCell", message=fit.reason)
+            emit(body, "Warning", "NoFittingCell", fit.reason)
         metrics.RECONCILES.labels("session", "waiting").inc()
         if fit.permanent:
             raise Reported(fit.reason)
         return
-    # Label and status go out with kopf's own annotations when the handler returns: one write of the object and one
-    # of its status. Written here instead, the status's watch event reached kopf before its annotations, and kopf
-    # ran the create handler again on it (and wrote its annotations twice).
-    kw["patch"].setdefault("metadata", {}).setdefault("labels", {})[api.LABEL_CELL] = fit.cell.name
+    # The status goes out in the caller's patch (kopf's, written when the handler returns; the sweep's, written by it):
+    # one write per bind. The binding lives in the status alone (status.cell is a selectable field).
     conditions, _ = set_condition(status.get("conditions"), "Bound", True, "Bound", fit.reason, generation)
     sid, prev, instance = worker_session_id(namespace, name), status.get("workerInstance"), fit.endpoint.instance
     continued = None
@@ -136,10 +138,9 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec, kw:
         }
     )
     BINDINGS.made(namespace, name, fit.endpoint.url or "")
-    kopf.event(body, type="Normal", reason="Bound", message=f"{fit.reason} at {fit.endpoint.url}")
+    emit(body, "Normal", "Bound", f"{fit.reason} at {fit.endpoint.url}")
     if continued is not None and continued[0] is not None:
-        kopf.event(body, type="Normal" if continued[0] else "Warning", reason=f"Session{continued[1]}",
-                   message=continued[2])
+        emit(body, "Normal" if continued[0] else "Warning", f"Session{continued[1]}", continued[2])
     created = dt.datetime.fromisoformat(body["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
     metrics.BIND_SECONDS.observe((dt.datetime.now(dt.timezone.utc) - created).total_seconds())
     metrics.RECONCILES.labels("session", "bound").inc()
@@ -161,49 +162,110 @@ def parse_spec(spec: Any) -> api.SessionSpec:
         raise kopf.PermanentError(f"invalid Session spec: {spec_errors(exc)}") from exc
 
 
-@kopf.on.resume(*SESSIONS)
-@kopf.on.create(*SESSIONS)
-@kopf.on.update(*SESSIONS, field="spec")
 @surfaced("sessions")
-def bind(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **kw: Any) -> None:
+def reconcile(name: str, namespace: str | None, body: Any, spec: Any, **kw: Any) -> None:
     _bind_unless_bound(name, kube.namespaced(namespace), body, spec, kw)
 
 
-def _bind_unless_bound(name: str, namespace: str, body: kopf.Body, spec: kopf.Spec, kw: dict[str, Any]) -> None:
-    """Bind, unless the session is bound and alive, or this process bound it after ``body`` was read (the create
-    handler and the retry timer run apart; each may hold a body older than the other's bind)."""
+def _bind_unless_bound(name: str, namespace: str, body: Any, spec: Any, kw: dict[str, Any]) -> None:
+    """Bind, unless the session is bound and alive (at its generation: a changed spec binds again), or this process
+    bound it after ``body`` was read (the watch handler and the retry sweep run apart; each may hold a body older
+    than the other's bind)."""
     status = dict(body.get("status") or {})
     with BINDINGS.lock(namespace, name):
         if BINDINGS.ahead_of(namespace, name, status):
             return
-        if status.get("phase") == "Bound" and _binding_alive(namespace, status, kw.get("cell_index")):
+        if (status.get("phase") == "Bound" and status.get("observedGeneration") == body["metadata"].get("generation")
+                and _binding_alive(namespace, status, kw.get("cell_index"))):
             return
         _bind(name, namespace, body, parse_spec(spec), kw)
 
 
-def _unbound(status: kopf.Status, **_: Any) -> bool:
-    return dict(status or {}).get("phase") != "Bound"
-
-
-@kopf.timer(*SESSIONS, interval=SETTINGS.status_interval, initial_delay=2.0, when=_unbound)
-@surfaced("sessions", clears=False)
-def keep_bound(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec, **kw: Any) -> None:
-    """A session that is not Bound is retried (one with no fitting cell yet, or one whose Cell's status refresh sent
-    it back because its worker went away). A Bound one has no timer: at cluster scale a timer per bound Session
-    costs the operator more than all the binding (docs/operator.md, "Scale"); its Cell checks its bindings."""
-    try:
-        _bind_unless_bound(name, kube.namespaced(namespace), body, spec, kw)
-    except Reported:
-        pass  # status already says why; the timer comes back
-
-
-@kopf.on.delete(*SESSIONS, backoff=5)
-def unbind(name: str, namespace: str | None, body: kopf.Body, logger: Any, **_: Any) -> None:
-    """Free the session's KV on its worker; best effort, since the worker may be gone already."""
+@kopf.on.event(*SESSIONS)
+def session_event(type: str | None, name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec,
+                  **kw: Any) -> None:
+    """Level-triggered, as Kubernetes' own controllers are: each watch event of a Session (and each at start-up) binds
+    it unless it is bound, alive and at its generation. A watch handler stores no state on the object: no finalizer,
+    no kopf annotations, so a bind is one status write and an Event (docs/operator.md, "Scale"). What it cannot bind
+    now (no fitting cell yet, a failed write) the retry sweep binds later."""
     namespace = kube.namespaced(namespace)
+    if type == "DELETED":
+        release(name, namespace, body)
+        return
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        reconcile(name=name, namespace=namespace, body=body, spec=spec, **kw)
+    except kopf.PermanentError:
+        pass                      # on the status already (surfaced); a spec change is a new event
+    except kopf.TemporaryError as exc:
+        log.info("session %s/%s: %s; the retry sweep binds it", namespace, name, exc)
+
+
+def release(name: str, namespace: str, body: kopf.Body) -> None:
+    """Free a deleted session's KV on its worker; best effort, since the worker may be gone already (a worker evicts
+    an unused session's blocks under pressure anyway). No finalizer holds the Session for it."""
     BINDINGS.forget(namespace, name, deleted=True)
     status = body.get("status") or {}
     endpoint, session_id = status.get("endpoint"), status.get("sessionId")
     if endpoint and session_id:
         code, _ = kube.http_json("DELETE", f"{endpoint}/v1/sessions/{quote(session_id)}", SETTINGS.probe_timeout)
-        logger.info("session %s closed on %s: HTTP %s", name, endpoint, code or "unreachable")
+        log.info("session %s/%s closed on %s: HTTP %s", namespace, name, endpoint, code or "unreachable")
+
+
+def retry_one(entry: dict[str, Any], cells: Any, sessions: Any) -> bool:
+    """Bind one pending Session again (the sweep, outside kopf: it writes its own status and posts its own Events).
+    Returns whether it wrote anything."""
+    meta = entry["metadata"]
+    patch: dict[str, Any] = {}
+    try:
+        reconcile(name=meta["name"], namespace=meta["namespace"], body=entry, spec=entry["spec"], patch=patch,
+                  cell_index=cells, session_index=sessions)
+    except (kopf.PermanentError, kopf.TemporaryError):
+        return False
+    if patch.get("status"):
+        kube.patch_status("sessions", meta["namespace"], meta["name"], patch["status"])
+        return True
+    return False
+
+
+class RetrySweep:
+    """Bind each Session that is not Bound again: one task for the operator instead of a kopf timer per Session. It
+    runs when a Cell changed in what a bind reads (half a second later, so a burst of changes is one sweep) and at
+    the latest every ``MODELD_RETRY_DELAY`` seconds. A Session sent back by its Cell (worker lost) is bound at once
+    by its own watch event; the sweep is for those no cell fitted yet and binds whose write failed."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+
+    async def run(self, pending: Any, cells: Any, sessions: Any) -> None:
+        wake = CELL_CHANGES.event = asyncio.Event()
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), SETTINGS.retry_delay)
+                await asyncio.sleep(0.5)
+            except asyncio.TimeoutError:
+                pass
+            wake.clear()
+            for entry in list(pending.get("pending", [])):
+                try:
+                    await asyncio.to_thread(retry_one, entry, cells, sessions)
+                except Exception:                             # noqa: BLE001 - one session's failure stops no other
+                    log.exception("retrying session %s", entry["metadata"].get("name"))
+
+
+SWEEP = RetrySweep()
+
+
+@kopf.on.startup()
+async def start_sweep(**kw: Any) -> None:
+    """kopf passes its indexes to start-up handlers too (empty until the first listing fills them)."""
+    SWEEP.task = asyncio.get_running_loop().create_task(
+        SWEEP.run(kw["pending_index"], kw["cell_index"], kw["session_index"]))
+
+
+@kopf.on.cleanup()
+async def stop_sweep(**_: Any) -> None:
+    if SWEEP.task is not None:
+        SWEEP.task.cancel()
+        SWEEP.task = None
