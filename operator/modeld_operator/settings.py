@@ -41,6 +41,9 @@ class Settings:
     """MODELD_WATCH_SERVER_TIMEOUT: seconds the apiserver keeps a watch open; a silent watch cannot hang the operator."""
     watch_client_timeout: int = 90
     """MODELD_WATCH_CLIENT_TIMEOUT: seconds the client waits on a watch before reconnecting."""
+    api_connections: int = 24
+    """MODELD_API_CONNECTIONS: at most this many connections to the apiserver for kopf's watches, patches and Events
+    (one watch per watched kind holds one; requests beyond the rest wait for a free one)."""
     log_format: str = "json"
     """MODELD_LOG_FORMAT: json (one object per line) or plain."""
     leader_election: bool = False
@@ -73,6 +76,8 @@ class Settings:
             raise ValueError(f"MODELD_LOG_FORMAT={settings.log_format!r}: use json or plain")
         if settings.leader_election and not settings.lease_namespace:
             raise ValueError("MODELD_LEADER_ELECTION=true needs MODELD_LEASE_NAMESPACE (the Lease's namespace)")
+        if settings.api_connections < 8:
+            raise ValueError(f"MODELD_API_CONNECTIONS={settings.api_connections}: at least 8 (a watch per kind holds one)")
         if settings.lease_duration < 3:
             raise ValueError(f"MODELD_LEASE_DURATION={settings.lease_duration}: at least 3 seconds")
         return settings

@@ -53,8 +53,8 @@ def test_a_cell_entry_keeps_its_parsed_spec_ready_endpoints_and_certification():
 def test_only_bound_sessions_are_indexed_by_their_cell():
     bound = {"phase": "Bound", "cell": "c", "endpoint": "http://127.0.0.1:1", "workerInstance": "i1"}
     assert run(session_index, name="s", namespace="ns", status=bound) == {("ns", "c"): BoundSession("s", "http://127.0.0.1:1", "i1")}
-    assert run(session_index, name="s", namespace="ns", status={"phase": "Pending"}) is None
-    assert run(session_index, name="s", namespace="ns", status={}) is None
+    assert run(session_index, name="s", namespace="ns", status={"phase": "Pending"}) == {}
+    assert run(session_index, name="s", namespace="ns", status={}) == {}
 
 
 def test_pods_are_indexed_by_cell_or_certification_job_without_their_environment():
@@ -68,7 +68,7 @@ def test_pods_are_indexed_by_cell_or_certification_job_without_their_environment
     job = run(pod_index, namespace="ns", meta=meta, spec=spec, status=status,
                     labels={api.LABEL_CERTIFIES: "c", "batch.kubernetes.io/job-name": "certify-c-k"})
     assert list(job) == [("job", "ns", "certify-c-k")]
-    assert run(pod_index, namespace="ns", meta=meta, spec=spec, status=status, labels={}) is None
+    assert run(pod_index, namespace="ns", meta=meta, spec=spec, status=status, labels={}) == {}
 
 
 def test_a_bind_weighs_the_namespaces_cells_with_their_load_from_the_indexes():
@@ -161,9 +161,9 @@ def test_pending_sessions_are_indexed_slim_for_the_retry_sweep():
     (entry,) = run(pending_index, body=body, status=body["status"], meta=body["metadata"]).values()
     assert entry["metadata"] == {"name": "s", "namespace": "ns", "uid": "u1", "generation": 2, "creationTimestamp": "t"}
     assert entry["spec"] == {"modelFamily": "smollm2"} and entry["apiVersion"] == body["apiVersion"]
-    assert run(pending_index, body=body, status={"phase": "Bound"}, meta=body["metadata"]) is None
+    assert run(pending_index, body=body, status={"phase": "Bound"}, meta=body["metadata"]) == {}
     going = {**body["metadata"], "deletionTimestamp": "t"}
-    assert run(pending_index, body=body, status={}, meta=going) is None
+    assert run(pending_index, body=body, status={}, meta=going) == {}
 
 
 def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypatch):
@@ -204,3 +204,24 @@ def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypat
     assert placement.deployment("c", "ns", spec)["spec"]["template"]["metadata"]["annotations"] == {
         api.ANNOTATION_SPEC_HASH: placement.spec_hash(spec)}
     assert placement.spec_hash(spec) != placement.spec_hash(old_spec)
+
+
+def test_an_indexer_that_stops_holding_an_object_returns_an_empty_mapping_which_kopf_removes():
+    """kopf takes an indexer's None as "no change" and keeps the old values; {} removes them. A Session sent back to
+    Pending must leave its cell's index (else it stays counted there, and the refresh sends it back again and
+    again), and a bound one the pending index (else the sweep binds it again from its stale body)."""
+    from kopf._core.actions.execution import Outcome
+    from kopf._core.engines.indexing import OperatorIndexer, OperatorIndexers
+
+    indexers = OperatorIndexers()
+    hid = "session_index"
+    indexers[hid] = OperatorIndexer()  # type: ignore[index]
+    body = {"metadata": {"namespace": "ns", "name": "s", "uid": "u1"}}
+    bound = {"phase": "Bound", "cell": "c", "endpoint": "http://127.0.0.1:1"}
+    for status, expected in [(bound, 1), ({"phase": "Pending"}, 0)]:
+        result = run(session_index, name="s", namespace="ns", status=status)
+        indexers.replace(body, {hid: Outcome(final=True, result=result)})  # type: ignore[arg-type]
+        assert len(list(indexers[hid].index.get(("ns", "c"), []))) == expected
+    indexers.replace(body, {hid: Outcome(final=True, result={("ns", "c"): "stale"})})  # type: ignore[arg-type]
+    indexers.replace(body, {hid: Outcome(final=True, result=None)})  # type: ignore[arg-type]
+    assert list(indexers[hid].index.get(("ns", "c"), [])) == ["stale"]     # what None would have left behind

@@ -39,3 +39,42 @@ def test_the_stored_essence_is_the_spec_not_the_labels_a_bind_sets():
     essence = settings.persistence.diffbase_storage.build(body=body)
     assert essence["spec"] == {"modelFamily": "smollm2"}
     assert "labels" not in (essence.get("metadata") or {}) and "annotations" not in (essence.get("metadata") or {})
+
+
+def test_sessions_have_only_a_watch_handler_so_kopf_writes_no_finalizer_or_annotations_on_them():
+    """A kopf create/update/delete handler stores its progress in annotations, and a timer or a delete handler holds
+    a finalizer: each is a write per Session at 10,000 Sessions (docs/operator.md, "Scale"). Cells keep theirs."""
+    from kopf._cogs.structs.references import Resource
+
+    from modeld_operator import handlers  # noqa: F401  (registers them)
+
+    registry = kopf.get_default_registry()
+    sessions = Resource(api.GROUP, api.VERSION, "sessions")
+    cells = Resource(api.GROUP, api.VERSION, "cells")
+
+    def ids(registered: list) -> set[str]:
+        return {str(h.id) for h in registered if h.selector is not None and h.selector.check(sessions)}
+
+    assert ids(registry._changing._handlers) == set() and ids(registry._spawning._handlers) == set()
+    assert ids(registry._watching._handlers) == {"session_event"}
+    assert any(h.selector is not None and h.selector.check(cells) for h in registry._spawning._handlers)
+
+
+def test_the_operator_logs_in_on_a_bounded_connection_pool(monkeypatch):
+    """kopf's own session has no connection limit (226 kept-alive TLS connections were measured at 1,000 Sessions)."""
+    import asyncio
+
+    from modeld_operator import __main__ as entry
+
+    info = kopf.ConnectionInfo(server="https://127.0.0.1:6443", insecure=True, token="t", default_namespace="ns")
+    monkeypatch.setattr(entry.kopf, "login_via_client", lambda **_: info)
+
+    async def login() -> tuple[kopf.AiohttpSession, int]:
+        out = await entry.login(logger=None, settings=kopf.OperatorSettings())
+        assert out is not None and out.aiohttp_session.connector is not None
+        limit = out.aiohttp_session.connector.limit
+        await out.aiohttp_session.close()
+        return out, limit
+
+    out, limit = asyncio.run(login())
+    assert out.server == info.server and out.default_namespace == "ns" and limit == SETTINGS.api_connections

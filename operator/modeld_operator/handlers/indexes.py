@@ -4,7 +4,10 @@ the number of objects outside its own namespace (docs/operator.md, "Scale"). kop
 handler runs, and passes each to every handler by its function's name.
 
 The indexers kopf calls are ``async``: a sync one runs in kopf's thread pool, a thread hop per watch event of every
-pod, node, Cell and Session; each is a pure function of the object, so nothing blocks."""
+pod, node, Cell and Session; each is a pure function of the object, so nothing blocks. An object an index no longer
+holds gets ``{}`` from its indexer, never ``None``: kopf takes None as "no change" and keeps the object's old values
+(a Session sent back to Pending stayed counted on its old Cell, and a bound one stayed in the pending index, where
+the retry sweep would have bound it again from its stale body)."""
 
 from __future__ import annotations
 
@@ -86,11 +89,11 @@ async def cell_index(name: str, namespace: str | None, spec: kopf.Spec, status: 
 
 
 @kopf.index(*SESSIONS)
-async def session_index(name: str, namespace: str | None, status: kopf.Status, **_: Any) -> dict[Any, BoundSession] | None:
+async def session_index(name: str, namespace: str | None, status: kopf.Status, **_: Any) -> dict[Any, BoundSession]:
     """Bound Sessions by (namespace, cell): a cell's load, and the bindings its status refresh checks."""
     st = dict(status or {})
     if st.get("phase") != "Bound" or not st.get("cell"):
-        return None
+        return {}
     return {(namespace, st["cell"]): BoundSession(name, st.get("endpoint"), st.get("workerInstance"))}
 
 
@@ -106,12 +109,12 @@ def slim_session(body: Any) -> dict[str, Any]:
 
 
 @kopf.index(*SESSIONS)
-async def pending_index(body: kopf.Body, status: kopf.Status, meta: kopf.Meta, **_: Any) -> dict[Any, Any] | None:
+async def pending_index(body: kopf.Body, status: kopf.Status, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
     """Sessions not Bound (and not being deleted), all under "pending": what the retry sweep binds again
     (session.py). A Session has no timer of its own: a kopf timer holds a finalizer on its object, two more writes
     per Session, and a task per Session."""
     if dict(status or {}).get("phase") == "Bound" or meta.get("deletionTimestamp"):
-        return None
+        return {}
     return {"pending": slim_session(body)}
 
 
@@ -181,14 +184,14 @@ def slim_pod(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
 
 @kopf.index("", "v1", "pods", labels={api.LABEL_MANAGED_BY: "modeld"})
 async def pod_index(namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, labels: kopf.Labels,
-              **_: Any) -> dict[Any, dict[str, Any]] | None:
+              **_: Any) -> dict[Any, dict[str, Any]]:
     """A cell's worker pods by ("cell", namespace, cell); a certification Job's pods by ("job", namespace, job)."""
     pod = slim_pod(meta, spec, status)
     if (cell := labels.get(api.LABEL_CELL)) is not None:
         return {("cell", namespace, cell): pod}
     if (job := labels.get(JOB_NAME) or labels.get("job-name")) is not None and api.LABEL_CERTIFIES in labels:
         return {("job", namespace, job): pod}
-    return None
+    return {}
 
 
 def store(index: kopf.Index[Any, Any] | None, key: Any) -> list[Any]:
