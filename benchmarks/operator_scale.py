@@ -11,7 +11,9 @@ kwok pods run no worker, so nothing could answer /readyz or be measured), then
 1. creates ``--cells`` one-GPU triton Cells spread evenly over ``--namespaces`` namespaces and waits until every one
    is Ready (its pod placed on a node and Running);
 2. creates ``--sessions`` Sessions spread the same way, as fast as 8 client threads can, and waits until every one
-   is Bound.
+   is Bound. With ``--sessions-while-stopped`` the operator is stopped first, the Sessions are created, and a new
+   operator process is started: the time is then from its start (it lists everything, as after a restart or a
+   leader change) until all are Bound, with no client creating anything meanwhile: the operator's own bind rate.
 
 Figures (stdout and ``--out``): seconds until all Cells were Ready and all Sessions Bound (from the first create),
 binds per second, the operator's peak RSS and CPU seconds in each phase, and the apiserver requests of each phase by
@@ -163,6 +165,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds each phase may take")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
+    ap.add_argument("--sessions-while-stopped", action="store_true",
+                    help="create the Sessions with the operator stopped, then time a new operator binding them all")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="modeld-scale-"))
@@ -195,32 +199,35 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
     for ns in namespaces:
         core.create_namespace({"metadata": {"name": ns}})
 
-    log = open(work / "operator.log", "wb")
     op_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "MODELD_PROBE_ENDPOINTS": "false",
               "MODELD_REQUIRE_CERTIFIED": "false", "MODELD_METRICS_PORT": str(METRICS_PORT), "MODELD_LOG_FORMAT": "plain",
               "MALLOC_ARENA_MAX": "2"}      # as the chart runs it (docs/operator.md, "Scale")
-    op = subprocess.Popen([sys.executable, "-m", "modeld_operator"], env=op_env, stdout=log, stderr=subprocess.STDOUT)
-    sampler = Sampler(op.pid)
-    sampler.start()
+    op, sampler = start_operator(op_env, work / "operator.log")
     result: dict[str, Any] = {
         "command": " ".join(["benchmarks/operator_scale.py", *sys.argv[1:]]),
+        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "processor": platform.processor() or platform.machine()},
         "nodes": args.nodes, "cells": args.cells, "sessions": args.sessions, "namespaces": args.namespaces,
         "cluster_up_s": round(cluster_up_s, 1),
     }
     try:
-        deadline = time.monotonic() + 60
-        while operator_reachable() is False:
-            if time.monotonic() > deadline or op.poll() is not None:
-                raise SystemExit(f"the operator did not start; see {work / 'operator.log'}")
-            time.sleep(0.5)
+        wait_reachable(op, work / "operator.log")
         for phase, plural, n, make, done in (("cells", "cells", args.cells, cell, "Ready"),
                                               ("sessions", "sessions", args.sessions, session, "Bound")):
             objs = [make(f"{plural[:-1]}-{i}", namespaces[i % len(namespaces)]) for i in range(n)]
+            restart = phase == "sessions" and args.sessions_while_stopped
+            if restart:
+                stop_operator(op, sampler)
             before, cpu0, sampler.peak_rss_mib = requests_by_kind(kubectl, kubeconfig), sampler.cpu_s(), sampler.rss_mib()
             t0 = time.monotonic()
             created_s = create_all(objs, plural, custom)
+            if restart:
+                before = requests_by_kind(kubectl, kubeconfig)
+                op, sampler = start_operator(op_env, work / "operator-2.log")
+                t0, cpu0 = time.monotonic(), 0.0
+                wait_reachable(op, work / "operator-2.log")
             reached, last_poll = 0, 0.0
             while True:
                 elapsed = time.monotonic() - t0
@@ -239,6 +246,7 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
             after = requests_by_kind(kubectl, kubeconfig)
             result[phase] = {
                 "created_s": round(created_s, 1), "all_done_s": round(took, 1) if reached >= n else None,
+                "timed_from": "the new operator's start (created while it was stopped)" if restart else "the first create",
                 "done": reached, "of": n, "state": done, "per_second": round(reached / took, 1),
                 "operator_peak_rss_mib": round(sampler.peak_rss_mib, 1),
                 "operator_cpu_s": round(sampler.cpu_s() - cpu0, 1),
@@ -255,16 +263,36 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
             result["sessions"]["event_writes_per_bind"] = round(events / result["sessions"]["done"], 2)
         result["operator_final_rss_mib"] = round(sampler.rss_mib(), 1)
     finally:
-        sampler.stop.set()
-        op.terminate()
-        try:
-            op.wait(30)
-        except subprocess.TimeoutExpired:
-            op.kill()
+        stop_operator(op, sampler)
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def start_operator(env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen[bytes], Sampler]:
+    op = subprocess.Popen([sys.executable, "-m", "modeld_operator"], env=env, stdout=open(log_path, "wb"),
+                          stderr=subprocess.STDOUT)
+    sampler = Sampler(op.pid)
+    sampler.start()
+    return op, sampler
+
+
+def wait_reachable(op: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 60
+    while operator_reachable() is False:
+        if time.monotonic() > deadline or op.poll() is not None:
+            raise SystemExit(f"the operator did not start; see {log_path}")
+        time.sleep(0.5)
+
+
+def stop_operator(op: subprocess.Popen[bytes], sampler: Sampler) -> None:
+    sampler.stop.set()
+    op.terminate()
+    try:
+        op.wait(30)
+    except subprocess.TimeoutExpired:
+        op.kill()
 
 
 def operator_reachable() -> bool:
