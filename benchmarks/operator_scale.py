@@ -220,14 +220,15 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
             restart = phase == "sessions" and args.sessions_while_stopped
             if restart:
                 stop_operator(op, sampler)
-            before, cpu0, sampler.peak_rss_mib = requests_by_kind(kubectl, kubeconfig), sampler.cpu_s(), sampler.rss_mib()
-            t0 = time.monotonic()
-            created_s = create_all(objs, plural, custom)
-            if restart:
+                created_s = create_all(objs, plural, custom)
                 before = requests_by_kind(kubectl, kubeconfig)
                 op, sampler = start_operator(op_env, work / "operator-2.log")
                 t0, cpu0 = time.monotonic(), 0.0
                 wait_reachable(op, work / "operator-2.log")
+            else:
+                before, cpu0, sampler.peak_rss_mib = requests_by_kind(kubectl, kubeconfig), sampler.cpu_s(), sampler.rss_mib()
+                t0 = time.monotonic()
+                created_s = create_all(objs, plural, custom)
             reached, last_poll = 0, 0.0
             while True:
                 elapsed = time.monotonic() - t0
