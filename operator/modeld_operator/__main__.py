@@ -71,7 +71,8 @@ def tune(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = api.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     # Only spec changes run update handlers (field="spec"), so the stored essence leaves labels and annotations out:
-    # with them, the binding's own cell label changed the essence and kopf wrote it a second time per bind.
+    # with them, a label written on a Cell changed its essence and kopf stored it again (Sessions have no kopf
+    # create/update handlers, so nothing is stored on them).
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=api.GROUP, ignored_fields=["metadata.labels", "metadata.annotations"])
     settings.posting.level = logging.INFO

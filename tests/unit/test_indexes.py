@@ -132,11 +132,11 @@ def test_a_bind_made_here_is_not_made_again_from_an_older_body():
     b = Bindings()
     assert b.lock("ns", "s") is b.lock("ns", "s")
     assert not b.ahead_of("ns", "s", {"phase": "Pending"})
-    b.made("ns", "s", "http://127.0.0.1:1")
+    b.made("ns", "s")
     assert b.ahead_of("ns", "s", {"phase": "Pending"})         # the other one's body: skip
     assert not b.ahead_of("ns", "s", {"phase": "Bound"})       # the watch caught up
     assert not b.ahead_of("ns", "s", {"phase": "Pending"})     # so a later Pending is a real one
-    b.made("ns", "s", "http://127.0.0.1:1")
+    b.made("ns", "s")
     b.forget("ns", "s")                                          # sent back by its cell: rebind for real
     assert not b.ahead_of("ns", "s", {"phase": "Pending"})
 
@@ -145,7 +145,7 @@ def test_a_bind_whose_write_never_showed_up_is_made_again():
     """The status write of a bind failed (the apiserver timed out): after the TTL the session is bound again."""
     now = [100.0]
     b = Bindings(ttl=30.0, clock=lambda: now[0])
-    b.made("ns", "s", "http://127.0.0.1:1")
+    b.made("ns", "s")
     now[0] += 29.0
     assert b.ahead_of("ns", "s", {"phase": "Pending"})
     now[0] += 2.0

@@ -14,7 +14,7 @@ from modeld_api.served import unserved
 from modeld_operator import cellstatus, certification, kube, metrics, placement
 from modeld_operator.conditions import get_condition, set_condition, spec_errors
 from modeld_operator.conditions import now as conditions_now
-from modeld_operator.handlers.indexes import BINDINGS, CELLS, BoundSession, CellEntry, alive, store
+from modeld_operator.handlers.indexes import BINDINGS, CELL_CHANGES, CELLS, BoundSession, CellEntry, alive, store
 from modeld_operator.handlers.rejected import holds, surfaced
 from modeld_operator.settings import SETTINGS
 
@@ -310,6 +310,7 @@ def release_sessions(name: str, namespace: str | None, **kw: Any) -> None:
     """The Deployment goes with its owner; sessions bound here go back to Pending and get rebound."""
     namespace = kube.namespaced(namespace)
     _PLANS.pop((namespace, name), None)
+    CELL_CHANGES.forget(namespace, name)
     metrics.forget_cell(namespace, name)
     # the index, and the apiserver (one list per deleted Cell, by the selectable field status.cell): a session whose
     # bind landed as the Cell went may be in only one of them yet, and nothing would ever check a binding to a Cell

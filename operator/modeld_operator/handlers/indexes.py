@@ -75,6 +75,10 @@ class CellChanges:
             if self.event is not None:
                 self.event.set()
 
+    def forget(self, namespace: str, name: str) -> None:
+        """The Cell was deleted (kopf calls no indexer then)."""
+        self._seen.pop((namespace, name), None)
+
 
 CELL_CHANGES = CellChanges()
 
@@ -136,15 +140,15 @@ class Bindings:
     def __init__(self, ttl: float = 30.0, clock: Any = time.monotonic) -> None:
         self._guard = threading.Lock()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._bound: dict[tuple[str, str], tuple[str, float]] = {}
+        self._bound: dict[tuple[str, str], float] = {}     # when this process bound it
         self.ttl, self._clock = ttl, clock
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
-    def made(self, namespace: str, name: str, endpoint: str) -> None:
-        self._bound[(namespace, name)] = (endpoint, self._clock())
+    def made(self, namespace: str, name: str) -> None:
+        self._bound[(namespace, name)] = self._clock()
 
     def ahead_of(self, namespace: str, name: str, status: dict[str, Any]) -> bool:
         """This process bound the session and ``status`` (from an older body) does not show it yet."""
@@ -153,7 +157,7 @@ class Bindings:
             self._bound.pop(key, None)     # the watch caught up
             return False
         made = self._bound.get(key)
-        if made is not None and self._clock() - made[1] > self.ttl:
+        if made is not None and self._clock() - made > self.ttl:
             self._bound.pop(key, None)     # never showed up: the write was lost
             return False
         return made is not None
@@ -184,7 +188,7 @@ def slim_pod(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
 
 @kopf.index("", "v1", "pods", labels={api.LABEL_MANAGED_BY: "modeld"})
 async def pod_index(namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, labels: kopf.Labels,
-              **_: Any) -> dict[Any, dict[str, Any]]:
+                    **_: Any) -> dict[Any, dict[str, Any]]:
     """A cell's worker pods by ("cell", namespace, cell); a certification Job's pods by ("job", namespace, job)."""
     pod = slim_pod(meta, spec, status)
     if (cell := labels.get(api.LABEL_CELL)) is not None:

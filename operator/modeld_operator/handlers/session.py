@@ -137,7 +137,7 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec, kw:
             "conditions": conditions,
         }
     )
-    BINDINGS.made(namespace, name, fit.endpoint.url or "")
+    BINDINGS.made(namespace, name)
     emit(body, "Normal", "Bound", f"{fit.reason} at {fit.endpoint.url}")
     if continued is not None and continued[0] is not None:
         emit(body, "Normal" if continued[0] else "Warning", f"Session{continued[1]}", continued[2])
