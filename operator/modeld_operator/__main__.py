@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             namespaces=[args.namespace] if args.namespace else [],
             standalone=True,          # no kopf peering: replicas are kept apart by the Lease (leader.py)
             stop_flag=stop,
+            memo=kopf.Memo(namespace=args.namespace),   # the Session controller's watch (handlers/session.py)
         )
 
     if not SETTINGS.leader_election:

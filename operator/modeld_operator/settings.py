@@ -44,6 +44,9 @@ class Settings:
     api_connections: int = 24
     """MODELD_API_CONNECTIONS: at most this many connections to the apiserver for kopf's watches, patches and Events
     (one watch per watched kind holds one; requests beyond the rest wait for a free one)."""
+    bind_workers: int = 8
+    """MODELD_BIND_WORKERS: Sessions bound at once (threads, each one apiserver request at a time: a status write,
+    then an Event)."""
     log_format: str = "json"
     """MODELD_LOG_FORMAT: json (one object per line) or plain."""
     leader_election: bool = False
@@ -78,6 +81,8 @@ class Settings:
             raise ValueError("MODELD_LEADER_ELECTION=true needs MODELD_LEASE_NAMESPACE (the Lease's namespace)")
         if settings.api_connections < 8:
             raise ValueError(f"MODELD_API_CONNECTIONS={settings.api_connections}: at least 8 (a watch per kind holds one)")
+        if settings.bind_workers < 1:
+            raise ValueError(f"MODELD_BIND_WORKERS={settings.bind_workers}: at least 1")
         if settings.lease_duration < 3:
             raise ValueError(f"MODELD_LEASE_DURATION={settings.lease_duration}: at least 3 seconds")
         return settings

@@ -17,9 +17,7 @@ from modeld_operator.handlers.indexes import (
     alive,
     cell_entry,
     cell_index,
-    pending_index,
     pod_index,
-    session_index,
 )
 from modeld_operator.handlers.session import _cell_views
 
@@ -48,13 +46,6 @@ def test_a_cell_entry_keeps_its_parsed_spec_ready_endpoints_and_certification():
     assert entry.certified is True and entry.gate == "context" and entry.summary["firstOutputP90Ms"] == {"2048": 10.0}
     assert cell_entry("c", {"contextTier": "big"}, {}).spec is None             # its own handler reports it
     assert set(run(cell_index, name="c", namespace="ns", spec=SPEC, status=status)) == {"ns", ("ns", "c")}
-
-
-def test_only_bound_sessions_are_indexed_by_their_cell():
-    bound = {"phase": "Bound", "cell": "c", "endpoint": "http://127.0.0.1:1", "workerInstance": "i1"}
-    assert run(session_index, name="s", namespace="ns", status=bound) == {("ns", "c"): BoundSession("s", "http://127.0.0.1:1", "i1")}
-    assert run(session_index, name="s", namespace="ns", status={"phase": "Pending"}) == {}
-    assert run(session_index, name="s", namespace="ns", status={}) == {}
 
 
 def test_pods_are_indexed_by_cell_or_certification_job_without_their_environment():
@@ -153,19 +144,6 @@ def test_a_bind_whose_write_never_showed_up_is_made_again():
     assert not b.ahead_of("ns", "s", {"phase": "Pending"})     # forgotten, not asked again
 
 
-def test_pending_sessions_are_indexed_slim_for_the_retry_sweep():
-    body = {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": "Session",
-            "metadata": {"name": "s", "namespace": "ns", "uid": "u1", "generation": 2, "creationTimestamp": "t",
-                         "managedFields": [{"manager": "kubectl"}] * 50, "annotations": {"big": "x" * 10_000}},
-            "spec": {"modelFamily": "smollm2"}, "status": {"phase": "Pending"}}
-    (entry,) = run(pending_index, body=body, status=body["status"], meta=body["metadata"]).values()
-    assert entry["metadata"] == {"name": "s", "namespace": "ns", "uid": "u1", "generation": 2, "creationTimestamp": "t"}
-    assert entry["spec"] == {"modelFamily": "smollm2"} and entry["apiVersion"] == body["apiVersion"]
-    assert run(pending_index, body=body, status={"phase": "Bound"}, meta=body["metadata"]) == {}
-    going = {**body["metadata"], "deletionTimestamp": "t"}
-    assert run(pending_index, body=body, status={}, meta=going) == {}
-
-
 def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypatch):
     """A changed spec's old pod is still ready until the Deployment replaces it: a Job against it would certify the
     old spec under the new key (it did, in the e2e run: the Job found the old worker gone and recorded a failure).
@@ -207,21 +185,20 @@ def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypat
 
 
 def test_an_indexer_that_stops_holding_an_object_returns_an_empty_mapping_which_kopf_removes():
-    """kopf takes an indexer's None as "no change" and keeps the old values; {} removes them. A Session sent back to
-    Pending must leave its cell's index (else it stays counted there, and the refresh sends it back again and
-    again), and a bound one the pending index (else the sweep binds it again from its stale body)."""
+    """kopf takes an indexer's None as "no change" and keeps the old values; {} removes them. A worker pod whose cell
+    label is taken off must leave its cell's index (else the cell keeps counting it as its endpoint)."""
     from kopf._core.actions.execution import Outcome
     from kopf._core.engines.indexing import OperatorIndexer, OperatorIndexers
 
     indexers = OperatorIndexers()
-    hid = "session_index"
+    hid = "pod_index"
     indexers[hid] = OperatorIndexer()  # type: ignore[index]
-    body = {"metadata": {"namespace": "ns", "name": "s", "uid": "u1"}}
-    bound = {"phase": "Bound", "cell": "c", "endpoint": "http://127.0.0.1:1"}
-    for status, expected in [(bound, 1), ({"phase": "Pending"}, 0)]:
-        result = run(session_index, name="s", namespace="ns", status=status)
+    body = {"metadata": {"namespace": "ns", "name": "p", "uid": "u1"}}
+    meta = {"name": "p"}
+    for labels, expected in [({api.LABEL_CELL: "c"}, 1), ({}, 0)]:
+        result = run(pod_index, namespace="ns", meta=meta, spec={}, status={}, labels=labels)
         indexers.replace(body, {hid: Outcome(final=True, result=result)})  # type: ignore[arg-type]
-        assert len(list(indexers[hid].index.get(("ns", "c"), []))) == expected
-    indexers.replace(body, {hid: Outcome(final=True, result={("ns", "c"): "stale"})})  # type: ignore[arg-type]
+        assert len(list(indexers[hid].index.get(("cell", "ns", "c"), []))) == expected
+    indexers.replace(body, {hid: Outcome(final=True, result={("cell", "ns", "c"): "stale"})})  # type: ignore[arg-type]
     indexers.replace(body, {hid: Outcome(final=True, result=None)})  # type: ignore[arg-type]
-    assert list(indexers[hid].index.get(("ns", "c"), [])) == ["stale"]     # what None would have left behind
+    assert list(indexers[hid].index.get(("cell", "ns", "c"), [])) == ["stale"]     # what None would have left behind

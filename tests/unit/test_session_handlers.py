@@ -1,17 +1,20 @@
-"""The Session handlers without a cluster: a watch event binds with one status write (in kopf's patch) and one Event,
-a bound and alive session at its generation costs nothing, a changed spec binds again, a deletion frees the worker's
-session, and the retry sweep writes its own status and posts its own Events (kopf does not run it)."""
+"""The Session controller without a cluster: a watch event queues the Session and a worker binds it with one status
+write and then one Event; a bound and alive session at its generation costs nothing; a changed spec binds again; a
+deletion (seen by the watch, or by a new listing) frees the worker's session; the work queue never runs one key twice
+at once; the reflector delivers events in order and lists again on 410 Gone."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 
 import modeld_api as api
-from modeld_operator.handlers import indexes, rejected, session
+from modeld_operator.handlers import indexes, session
 from modeld_operator.handlers.indexes import BoundSession, cell_entry
+from modeld_operator.informer import Gone, Reflector, WorkQueue
 
 pytestmark = pytest.mark.unit
 
@@ -36,118 +39,230 @@ def body(generation: int = 1, status: dict | None = None) -> dict:
 
 @pytest.fixture
 def world(monkeypatch):
-    """Records what the handlers write: kopf's Events, direct status patches, direct Events, worker calls."""
-    out: dict[str, list] = {"events": [], "patched": [], "posted": [], "http": []}
+    """Records what the controller writes, in order: status patches and Events (("status", phase) and ("event",
+    reason)), and worker calls."""
+    out: dict[str, list] = {"writes": [], "statuses": [], "http": []}
     monkeypatch.setattr(indexes, "BINDINGS", indexes.Bindings())
     monkeypatch.setattr(session, "BINDINGS", indexes.BINDINGS)
-    monkeypatch.setattr(rejected.kopf, "event", lambda b, type, reason, message: out["events"].append(reason))
-    monkeypatch.setattr(session.kube, "patch_status", lambda plural, ns, name, st: out["patched"].append((name, st)))
-    monkeypatch.setattr(session.kube, "post_event", lambda b, type, reason, message: out["posted"].append(reason))
+    monkeypatch.setattr(session.kube, "patch_status", lambda plural, ns, name, st: (
+        out["writes"].append(("status", st.get("phase"))), out["statuses"].append(st)))
+    monkeypatch.setattr(session.kube, "post_event", lambda b, type, reason, message: out["writes"].append(("event", reason)))
     monkeypatch.setattr(session.kube, "http_json", lambda method, url, timeout, body=None: out["http"].append(
         (method, url)) or (200, None))
     return out
 
 
-def event(kind: str | None, b: dict, patch: dict, idx: dict | None = None) -> None:
-    session.session_event(type=kind, name="s", namespace="ns", body=b, spec=b["spec"], patch=patch,
-                          cell_index=cells() if idx is None else idx, session_index={})
+def bind(b: dict, idx: dict | None = None, cache: indexes.SessionCache | None = None) -> bool:
+    """One worker's pass over a Session as the cache holds it (slim)."""
+    cache = cache or indexes.SessionCache()
+    return session.bind_one(indexes.slim_session(b), cells() if idx is None else idx, cache.bound)
 
 
-def test_a_watch_event_binds_with_one_status_write_and_one_event(world):
-    patch: dict = {}
-    event("ADDED", body(), patch)
-    assert set(patch) == {"status"}                       # no label, no annotations: the status alone
-    st = patch["status"]
-    assert (st["phase"], st["cell"], st["endpoint"], st["sessionId"], st["observedGeneration"]) == (
-        "Bound", "c", URL, "ns.s", 1)
-    assert world["events"] == ["Bound"] and world["patched"] == [] and world["posted"] == []
+def bound_status(world: dict) -> dict:
+    """The status a bind writes."""
+    bind(body())
+    return world["statuses"][-1]
+
+
+def test_a_session_binds_with_one_status_write_then_one_event(world):
+    assert bind(body())
+    assert world["writes"] == [("status", "Bound"), ("event", "Bound")]     # the Event never runs ahead of the status
+
+
+def test_the_written_status_names_the_cell_endpoint_and_worker_session(world):
+    st = bound_status(world)
+    assert (st["phase"], st["cell"], st["endpoint"], st["sessionId"], st["observedGeneration"], st["workerInstance"]) == (
+        "Bound", "c", URL, "ns.s", 1, "i1")
 
 
 def test_a_bound_alive_session_at_its_generation_costs_nothing_and_a_spec_change_binds_again(world):
-    first: dict = {}
-    event("ADDED", body(), first)
-    bound = body(status=first["status"])
-    world["events"].clear()
-    again: dict = {}
-    event("MODIFIED", bound, again)                     # its own status write's event
-    event(None, bound, again)                           # the operator restarted: the initial listing
-    assert again == {} and world["events"] == []
-    changed: dict = {}
-    event("MODIFIED", {**bound, "metadata": {**bound["metadata"], "generation": 2}}, changed)
-    assert changed["status"]["observedGeneration"] == 2 and world["events"] == ["Bound"]
+    st = bound_status(world)
+    world["writes"].clear()
+    assert not bind(body(status=st))                     # its own write's watch event, or a new operator's listing
+    assert world["writes"] == []
+    assert bind(body(generation=2, status=st))
+    assert world["writes"] == [("status", "Bound"), ("event", "Bound")]
 
 
-def test_an_older_body_does_not_bind_twice(world):
-    """The sweep's body predates the watch handler's bind (or the other way round): one bind, one write."""
-    patch: dict = {}
-    event("ADDED", body(), patch)
-    stale: dict = {}
-    event("MODIFIED", body(), stale)
-    assert stale == {} and world["events"] == ["Bound"]
+def test_a_body_older_than_this_processs_bind_does_not_bind_twice(world):
+    """The sweep queued a Session whose cached body predates the bind a worker just wrote: one bind, one write."""
+    assert bind(body())
+    assert not bind(body())
+    assert world["writes"] == [("status", "Bound"), ("event", "Bound")]
 
 
-def test_no_fitting_cell_says_why_once_and_the_sweep_binds_when_one_is_ready(world, monkeypatch):
-    pending: dict = {}
-    event("ADDED", body(), pending, idx=cells(ready=False))
-    assert pending["status"]["phase"] == "Pending" and world["events"] == ["NoFittingCell"]
-    entry = indexes.slim_session(body(status=pending["status"]))
-    assert not session.retry_one(entry, cells(ready=False), {})       # nothing changed: nothing written
-    assert world["patched"] == [] and world["posted"] == []
-    # outside kopf's handlers kopf.event has no queue (LookupError): the sweep posts its Events itself
-    monkeypatch.setattr(rejected.kopf, "event", _no_queue)
-    assert session.retry_one(entry, cells(), {})
-    ((name, st),) = world["patched"]
-    assert name == "s" and st["phase"] == "Bound" and world["posted"] == ["Bound"]
-
-
-def _no_queue(*_a, **_kw):
-    raise LookupError("event_queue_var")
-
-
-def test_a_deleted_session_is_closed_on_its_worker(world):
-    bound = body(status={"phase": "Bound", "cell": "c", "endpoint": URL, "sessionId": "ns.s", "observedGeneration": 1})
-    patch: dict = {}
-    event("DELETED", bound, patch)
-    assert world["http"] == [("DELETE", f"{URL}/v1/sessions/ns.s")] and patch == {}
-    event("DELETED", body(), patch)                                  # never bound: nothing to close
-    assert len(world["http"]) == 1
+def test_no_fitting_cell_says_why_once_and_binds_when_one_is_ready(world):
+    bind(body(), idx=cells(ready=False))
+    assert world["writes"] == [("status", "Pending"), ("event", "NoFittingCell")]
+    st = world["statuses"][0]
+    world["writes"].clear()
+    assert not bind(body(status=st), idx=cells(ready=False))   # as the watch brings it back: nothing changed
+    assert world["writes"] == []
+    assert bind(body(status=st))                               # a cell is ready now (the sweep queued it)
+    assert world["writes"] == [("status", "Bound"), ("event", "Bound")]
 
 
 def test_a_session_bound_to_a_replaced_worker_is_bound_again(world):
-    """Its Cell's refresh sends it back (Pending): the watch event of that write binds it again at once."""
+    """Its Cell's refresh sends it back (Pending); a binding whose endpoint is gone binds again at once."""
     gone = body(status={"phase": "Bound", "cell": "c", "endpoint": "http://127.0.0.1:9", "sessionId": "ns.s",
                         "observedGeneration": 1})
-    patch: dict = {}
-    event("MODIFIED", gone, patch, idx=cells())
-    assert patch["status"]["endpoint"] == URL
+    assert bind(gone)
     sessions = {("ns", "c"): [BoundSession("other", URL, "i1")]}
     assert [v.sessions for v in session._cell_views("ns", 1024, cells(), sessions)] == [1]  # type: ignore[arg-type]
 
 
-def test_the_sweep_runs_when_a_cell_changes_not_only_on_its_interval(monkeypatch):
+def test_the_cache_indexes_bound_sessions_by_cell_and_keeps_the_rest_pending():
+    cache = indexes.SessionCache()
+    st = {"phase": "Bound", "cell": "c", "endpoint": URL, "workerInstance": "i1", "candidates": [{"cell": "c"}] * 32}
+    key = cache.put(indexes.slim_session(body(status=st)))
+    assert key == ("ns", "s") and cache.pending == set()
+    assert cache.bound.get(("ns", "c")) == [BoundSession("s", URL, "i1")]
+    assert "candidates" not in cache.objects[key]["status"]            # read only while it waits
+    cache.put(indexes.slim_session(body(status={"phase": "Pending"})))   # sent back by its cell
+    assert cache.bound.get(("ns", "c"), []) == [] and cache.pending == {key}
+    going = body()
+    going["metadata"]["deletionTimestamp"] = "t"
+    cache.put(indexes.slim_session(going))
+    assert cache.pending == set()                                       # being deleted: nothing to bind
+    cache.put(indexes.slim_session(body(status=st)))
+    assert cache.remove(key) is not None and cache.bound.get(("ns", "c"), []) == [] and cache.objects == {}
+
+
+def test_a_slim_session_drops_managed_fields_and_annotations():
+    b = body()
+    b["metadata"].update(managedFields=[{"manager": "kubectl"}] * 50, annotations={"big": "x" * 10_000})
+    slim = indexes.slim_session(b)
+    assert slim["metadata"] == {"name": "s", "namespace": "ns", "uid": "u1", "generation": 1,
+                                "creationTimestamp": "2026-12-02T00:00:00Z", "deletionTimestamp": None}
+    assert slim["spec"] == b["spec"] and slim["apiVersion"] == b["apiVersion"]
+
+
+def controller(monkeypatch, cache: indexes.SessionCache) -> tuple[session.SessionController, list]:
+    """A controller whose binds and releases are recorded instead of made (run on the loop, no threads)."""
+    c = session.SessionController(cache)
+    c.queue = WorkQueue()
+    done: list = []
+    monkeypatch.setattr(session, "release", lambda name, ns, b: done.append(("release", name)))
+    monkeypatch.setattr(session, "bind_one", lambda obj, cells, sessions: done.append(("bind", obj["metadata"]["name"])))
+    return c, done
+
+
+def test_the_watch_queues_what_it_touches_and_a_deletion_or_a_relisting_releases(monkeypatch):
+    async def scenario() -> None:
+        cache = indexes.SessionCache()
+        c, done = controller(monkeypatch, cache)
+        bound = indexes.slim_session(body(status={"phase": "Bound", "cell": "c", "endpoint": URL, "sessionId": "ns.s"}))
+        c.listed([bound, indexes.slim_session({**body(), "metadata": {**body()["metadata"], "name": "t"}})])
+        assert len(c.queue) == 2 and cache.synced
+        c.event("MODIFIED", bound)                        # already queued: once
+        assert len(c.queue) == 2
+        for _ in range(2):
+            key = await c.queue.get()
+            await c.process(key)
+            c.queue.done(key)
+        assert sorted(done) == [("bind", "s"), ("bind", "t")]
+        done.clear()
+        c.event("DELETED", bound)
+        c.listed([])                                      # t was deleted while no watch was open
+        await asyncio.sleep(0.1)
+        assert sorted(done) == [("release", "s"), ("release", "t")] and cache.objects == {}
+
+    asyncio.run(scenario())
+
+
+def test_the_work_queue_never_runs_a_key_twice_at_once_and_runs_a_key_changed_meanwhile_again():
+    async def scenario() -> None:
+        q: WorkQueue[str] = WorkQueue()
+        q.add("a")
+        q.add("a")
+        assert await q.get() == "a"
+        q.add("a")                                        # changed while a worker holds it: not handed out now
+        assert q._queue.empty()
+        q.done("a")                                       # ... but once the worker is done
+        assert await q.get() == "a"
+        q.done("a")
+        assert q._queue.empty() and len(q) == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_sweep_queues_pending_sessions_when_a_cell_changes_not_only_on_its_interval(monkeypatch):
     """A Session waiting for a cell binds as soon as the cell's entry changes (ready, certified), not a whole
     MODELD_RETRY_DELAY later; an unchanged cell (its refresh wrote the same status) wakes nothing."""
     monkeypatch.setattr(session, "SETTINGS", dataclasses.replace(session.SETTINGS, retry_delay=600.0))
     changes = indexes.CellChanges()
     monkeypatch.setattr(session, "CELL_CHANGES", changes)
-    tried: list[str] = []
-    monkeypatch.setattr(session, "retry_one", lambda entry, c, s: tried.append(entry["metadata"]["name"]))
-    pending = {"pending": [indexes.slim_session(body())]}
 
     async def scenario() -> None:
-        sweep = session.RetrySweep()
-        task = asyncio.get_running_loop().create_task(sweep.run(pending, {}, {}))
+        cache = indexes.SessionCache()
+        cache.put(indexes.slim_session(body()))
+        c = session.SessionController(cache)
+        c.queue = queue = WorkQueue()
+        task = asyncio.get_running_loop().create_task(c._sweep())
         await asyncio.sleep(0.1)
-        not_ready = cell_entry("c", CELL_SPEC, {})
-        changes.saw("ns", not_ready)
+
+        async def swept() -> int:
+            n = 0
+            while not queue._queue.empty():
+                key = await queue.get()
+                queue.done(key)
+                n += 1
+            return n
+
+        changes.saw("ns", cell_entry("c", CELL_SPEC, {}))
         await asyncio.sleep(1.0)
-        assert tried == ["s"]
+        assert await swept() == 1
         changes.saw("ns", cell_entry("c", CELL_SPEC, {}))             # the same entry again: no sweep
         await asyncio.sleep(1.0)
-        assert tried == ["s"]
+        assert await swept() == 0
         changes.saw("ns", cells()["ns"][0])                            # ready now
         await asyncio.sleep(1.0)
-        assert tried == ["s", "s"]
+        assert await swept() == 1
         task.cancel()
 
     asyncio.run(scenario())
+
+
+class FakeStream:
+    """A watch response as urllib3 gives it: chunks that split lines anywhere."""
+
+    def __init__(self, lines: list[dict]) -> None:
+        raw = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        self.chunks = [raw[i:i + 7] for i in range(0, len(raw), 7)]
+        self.released = False
+
+    def stream(self, amt=None, decode_content=False):
+        yield from self.chunks
+
+    def release_conn(self) -> None:
+        self.released = True
+
+
+def test_the_reflector_delivers_watch_events_in_order_and_lists_again_on_410(monkeypatch):
+    delivered: list = []
+    r = Reflector("sessions", None, lambda o: o["metadata"]["name"], lambda objs: delivered.append(("list", objs)),
+                  lambda kind, name: delivered.append((kind, name)))
+    r._deliver = lambda fn, *args: fn(*args)  # type: ignore[method-assign]
+    ev = [{"type": "ADDED", "object": {"metadata": {"name": "a", "resourceVersion": "5"}}},
+          {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}},
+          {"type": "MODIFIED", "object": {"metadata": {"name": "a", "resourceVersion": "9"}}},
+          {"type": "DELETED", "object": {"metadata": {"name": "a", "resourceVersion": "10"}}}]
+    stream = FakeStream(ev)
+    calls: list = []
+    monkeypatch.setattr(r, "_call", lambda **kw: calls.append(kw) or stream)
+    assert r.watch("4") == "10"
+    assert delivered == [("ADDED", "a"), ("MODIFIED", "a"), ("DELETED", "a")] and stream.released
+    assert calls[0]["resource_version"] == "4" and calls[0]["allow_watch_bookmarks"]
+    monkeypatch.setattr(r, "_call", lambda **kw: FakeStream([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}]))
+    with pytest.raises(Gone):
+        r.watch("10")
+
+
+def test_the_reflector_lists_a_page_at_a_time(monkeypatch):
+    pages = {None: {"items": [{"metadata": {"name": "a"}}], "metadata": {"continue": "p2"}},
+             "p2": {"items": [{"metadata": {"name": "b"}}], "metadata": {"resourceVersion": "42"}}}
+    asked: list = []
+    r = Reflector("sessions", "ns", lambda o: o["metadata"]["name"], lambda _: None, lambda *_: None)
+    monkeypatch.setattr(r, "_call", lambda **kw: asked.append(kw) or pages[kw.get("_continue")])
+    assert r.list_all() == (["a", "b"], "42")
+    assert [kw["limit"] for kw in asked] == [Reflector.PAGE] * 2

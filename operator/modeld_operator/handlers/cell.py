@@ -14,7 +14,16 @@ from modeld_api.served import unserved
 from modeld_operator import cellstatus, certification, kube, metrics, placement
 from modeld_operator.conditions import get_condition, set_condition, spec_errors
 from modeld_operator.conditions import now as conditions_now
-from modeld_operator.handlers.indexes import BINDINGS, CELL_CHANGES, CELLS, BoundSession, CellEntry, alive, store
+from modeld_operator.handlers.indexes import (
+    BINDINGS,
+    CELL_CHANGES,
+    CELLS,
+    SESSION_CACHE,
+    BoundSession,
+    CellEntry,
+    alive,
+    store,
+)
 from modeld_operator.handlers.rejected import holds, surfaced
 from modeld_operator.settings import SETTINGS
 
@@ -141,15 +150,16 @@ async def node_index(name: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.S
 
 @dataclasses.dataclass(frozen=True)
 class Indexes:
-    """The indexes a Cell handler reads (kopf passes each by its function's name)."""
+    """The indexes a Cell handler reads (kopf passes its own by their functions' names; the bound Sessions come from
+    the Session controller's cache, session.py)."""
     nodes: kopf.Index[Any, placement.NodeView] | None
     pods: kopf.Index[Any, dict[str, Any]] | None
     cells: kopf.Index[Any, CellEntry] | None
-    sessions: kopf.Index[Any, Any] | None
+    sessions: Any                    # a kopf.Index or the BoundIndex (by .get)
 
     @classmethod
     def of(cls, kw: dict[str, Any]) -> Indexes:
-        return cls(kw.get("node_index"), kw.get("pod_index"), kw.get("cell_index"), kw.get("session_index"))
+        return cls(kw.get("node_index"), kw.get("pod_index"), kw.get("cell_index"), SESSION_CACHE.bound)
 
 
 _PLANS: dict[tuple[str, str], tuple[tuple[int, int], str, placement.Placement]] = {}

@@ -92,34 +92,103 @@ async def cell_index(name: str, namespace: str | None, spec: kopf.Spec, status: 
     return {namespace: entry, (namespace, name): entry}
 
 
-@kopf.index(*SESSIONS)
-async def session_index(name: str, namespace: str | None, status: kopf.Status, **_: Any) -> dict[Any, BoundSession]:
-    """Bound Sessions by (namespace, cell): a cell's load, and the bindings its status refresh checks."""
-    st = dict(status or {})
-    if st.get("phase") != "Bound" or not st.get("cell"):
-        return {}
-    return {(namespace, st["cell"]): BoundSession(name, st.get("endpoint"), st.get("workerInstance"))}
-
-
 def slim_session(body: Any) -> dict[str, Any]:
-    """What a retried bind reads of a Session (and what its Event names): not its managedFields or annotations."""
+    """What a bind reads of a Session (and what its Event names): not its managedFields or annotations, and of a
+    bound one's status not the candidates it weighed (up to 32 reasons, read only while it waits)."""
     meta = body.get("metadata") or {}
+    status = dict(body.get("status") or {})
+    if status.get("phase") == "Bound":
+        status.pop("candidates", None)
     return {
         "apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-        "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation", "creationTimestamp")},
+        "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "generation", "creationTimestamp",
+                                              "deletionTimestamp")},
         "spec": dict(body.get("spec") or {}),
-        "status": dict(body.get("status") or {}),
+        "status": status,
     }
 
 
-@kopf.index(*SESSIONS)
-async def pending_index(body: kopf.Body, status: kopf.Status, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-    """Sessions not Bound (and not being deleted), all under "pending": what the retry sweep binds again
-    (session.py). A Session has no timer of its own: a kopf timer holds a finalizer on its object, two more writes
-    per Session, and a task per Session."""
-    if dict(status or {}).get("phase") == "Bound" or meta.get("deletionTimestamp"):
-        return {}
-    return {"pending": slim_session(body)}
+SessionKey = tuple[str, str]
+
+
+class SessionCache:
+    """Every Session the operator watches (slim, from its own reflector: informer.py), and two indexes kept with it:
+    the bound ones by (namespace, cell) (a cell's load, and the bindings its status refresh checks) and the keys of
+    those not Bound (what the retry sweep binds again). Changed only on the operator's event loop."""
+
+    def __init__(self) -> None:
+        self.objects: dict[SessionKey, dict[str, Any]] = {}
+        self.pending: set[SessionKey] = set()
+        self._bound: dict[tuple[str, str], dict[str, BoundSession]] = {}
+        self._cell_of: dict[SessionKey, tuple[str, str]] = {}
+        self.synced = False           # the first listing is in
+
+    @staticmethod
+    def key(obj: dict[str, Any]) -> SessionKey:
+        return obj["metadata"]["namespace"], obj["metadata"]["name"]
+
+    def put(self, obj: dict[str, Any]) -> SessionKey:
+        key = self.key(obj)
+        self._unindex(key)
+        self.objects[key] = obj
+        st = obj["status"]
+        if st.get("phase") == "Bound" and st.get("cell"):
+            where = (key[0], st["cell"])
+            self._bound.setdefault(where, {})[key[1]] = BoundSession(key[1], st.get("endpoint"), st.get("workerInstance"))
+            self._cell_of[key] = where
+        elif not obj["metadata"].get("deletionTimestamp"):
+            self.pending.add(key)
+        return key
+
+    def remove(self, key: SessionKey) -> dict[str, Any] | None:
+        self._unindex(key)
+        return self.objects.pop(key, None)
+
+    def replace(self, objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A new listing: returns the objects it no longer holds (deleted while no watch was open)."""
+        listed = {self.key(o) for o in objs}
+        gone = [o for k, o in self.objects.items() if k not in listed]
+        for o in gone:
+            self.remove(self.key(o))
+        for o in objs:
+            self.put(o)
+        self.synced = True
+        return gone
+
+    def _unindex(self, key: SessionKey) -> None:
+        self.pending.discard(key)
+        where = self._cell_of.pop(key, None)
+        if where is not None:
+            on_cell = self._bound.get(where, {})
+            on_cell.pop(key[1], None)
+            if not on_cell:
+                self._bound.pop(where, None)
+
+    def clear(self) -> None:
+        """Forget everything (the operator stopped leading: a new leader term lists again)."""
+        self.objects.clear()
+        self.pending.clear()
+        self._bound.clear()
+        self._cell_of.clear()
+        self.synced = False
+
+    @property
+    def bound(self) -> BoundIndex:
+        return BoundIndex(self._bound)
+
+
+class BoundIndex:
+    """The bound Sessions by (namespace, cell), read as the handlers read a kopf index (``store(index, key)``)."""
+
+    def __init__(self, by_cell: dict[tuple[str, str], dict[str, BoundSession]]) -> None:
+        self._by_cell = by_cell
+
+    def get(self, key: Any, default: Any = None) -> list[BoundSession] | Any:
+        found = self._by_cell.get(key)
+        return list(found.values()) if found is not None else default
+
+
+SESSION_CACHE = SessionCache()
 
 
 def alive(session: BoundSession, endpoints: list[api.Endpoint]) -> bool:

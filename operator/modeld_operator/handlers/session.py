@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import logging
 from typing import Any
@@ -14,8 +15,20 @@ from pydantic import ValidationError
 import modeld_api as api
 from modeld_operator import kube, metrics, placement
 from modeld_operator.conditions import now, set_condition, spec_errors
-from modeld_operator.handlers.indexes import BINDINGS, CELL_CHANGES, SESSIONS, BoundSession, CellEntry, alive, store
-from modeld_operator.handlers.rejected import Reported, emit, surfaced
+from modeld_operator.handlers.indexes import (
+    BINDINGS,
+    CELL_CHANGES,
+    SESSION_CACHE,
+    BoundSession,
+    CellEntry,
+    SessionCache,
+    SessionKey,
+    alive,
+    slim_session,
+    store,
+)
+from modeld_operator.handlers.rejected import Reported, surfaced
+from modeld_operator.informer import Reflector, WorkQueue
 from modeld_operator.settings import SETTINGS
 
 log = logging.getLogger("modeld_operator.session")
@@ -92,8 +105,9 @@ def continuity(url: str, session_id: str) -> tuple[bool | None, str, str]:
 
 def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec, kw: dict[str, Any]) -> None:
     """Bind to the best fitting cell; when none fits, say why on the status (written only when it changed) and
-    return: the session's timer retries while it is not Bound. Raises PermanentError when no change in the cluster
-    can make it fit."""
+    return: the retry sweep binds it later. The status goes into ``kw["patch"]`` and the Events into ``kw["events"]``:
+    the caller writes the status, then posts the Events (an Event never says Bound before the status does). Raises
+    PermanentError when no change in the cluster can make it fit."""
     status = dict(body.get("status") or {})
     generation = body["metadata"].get("generation")
     views = _cell_views(namespace, spec.requiredContext, kw.get("cell_index"), kw.get("session_index"))
@@ -107,13 +121,13 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec, kw:
         if pending != {k: status.get(k) for k in pending}:
             kw["patch"]["status"] = pending
         if changed:
-            emit(body, "Warning", "NoFittingCell", fit.reason)
+            kw["events"].append(("Warning", "NoFittingCell", fit.reason))
         metrics.RECONCILES.labels("session", "waiting").inc()
         if fit.permanent:
             raise Reported(fit.reason)
         return
-    # The status goes out in the caller's patch (kopf's, written when the handler returns; the sweep's, written by it):
-    # one write per bind. The binding lives in the status alone (status.cell is a selectable field).
+    # One status write per bind, made by the caller. The binding lives in the status alone (status.cell is a
+    # selectable field).
     conditions, _ = set_condition(status.get("conditions"), "Bound", True, "Bound", fit.reason, generation)
     sid, prev, instance = worker_session_id(namespace, name), status.get("workerInstance"), fit.endpoint.instance
     continued = None
@@ -138,9 +152,9 @@ def _bind(name: str, namespace: str, body: kopf.Body, spec: api.SessionSpec, kw:
         }
     )
     BINDINGS.made(namespace, name)
-    emit(body, "Normal", "Bound", f"{fit.reason} at {fit.endpoint.url}")
+    kw["events"].append(("Normal", "Bound", f"{fit.reason} at {fit.endpoint.url}"))
     if continued is not None and continued[0] is not None:
-        emit(body, "Normal" if continued[0] else "Warning", f"Session{continued[1]}", continued[2])
+        kw["events"].append(("Normal" if continued[0] else "Warning", f"Session{continued[1]}", continued[2]))
     created = dt.datetime.fromisoformat(body["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
     metrics.BIND_SECONDS.observe((dt.datetime.now(dt.timezone.utc) - created).total_seconds())
     metrics.RECONCILES.labels("session", "bound").inc()
@@ -181,28 +195,30 @@ def _bind_unless_bound(name: str, namespace: str, body: Any, spec: Any, kw: dict
         _bind(name, namespace, body, parse_spec(spec), kw)
 
 
-@kopf.on.event(*SESSIONS)
-def session_event(type: str | None, name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec,
-                  **kw: Any) -> None:
-    """Level-triggered, as Kubernetes' own controllers are: each watch event of a Session (and each at start-up) binds
-    it unless it is bound, alive and at its generation. A watch handler stores no state on the object: no finalizer,
-    no kopf annotations, so a bind is one status write and an Event (docs/operator.md, "Scale"). What it cannot bind
-    now (no fitting cell yet, a failed write) the retry sweep binds later."""
-    namespace = kube.namespaced(namespace)
-    if type == "DELETED":
-        release(name, namespace, body)
-        return
-    if body["metadata"].get("deletionTimestamp"):
-        return
+def bind_one(obj: dict[str, Any], cells: Any, sessions: Any) -> bool:
+    """Bind one Session from the cache unless it is bound, alive and at its generation: write its status, then post
+    its Events. Returns whether it wrote the status. Runs in a bind thread (the kubernetes client is synchronous)."""
+    meta = obj["metadata"]
+    if meta.get("deletionTimestamp"):
+        return False
+    patch: dict[str, Any] = {}
+    events: list[tuple[str, str, str]] = []
     try:
-        reconcile(name=name, namespace=namespace, body=body, spec=spec, **kw)
+        reconcile(name=meta["name"], namespace=meta["namespace"], body=obj, spec=obj["spec"], patch=patch,
+                  events=events, cell_index=cells, session_index=sessions)
     except kopf.PermanentError:
-        pass                      # on the status already (surfaced); a spec change is a new event
+        return False                  # on the status already (surfaced); a spec change is a new event
     except kopf.TemporaryError as exc:
-        log.info("session %s/%s: %s; the retry sweep binds it", namespace, name, exc)
+        log.info("session %s/%s: %s; the retry sweep binds it", meta["namespace"], meta["name"], exc)
+        return False
+    if patch.get("status"):
+        kube.patch_status("sessions", meta["namespace"], meta["name"], patch["status"])
+    for type_, reason, message in events:
+        kube.post_event(obj, type_, reason, message)
+    return bool(patch.get("status"))
 
 
-def release(name: str, namespace: str, body: kopf.Body) -> None:
+def release(name: str, namespace: str, body: dict[str, Any]) -> None:
     """Free a deleted session's KV on its worker; best effort, since the worker may be gone already (a worker evicts
     an unused session's blocks under pressure anyway). No finalizer holds the Session for it."""
     BINDINGS.forget(namespace, name, deleted=True)
@@ -213,32 +229,66 @@ def release(name: str, namespace: str, body: kopf.Body) -> None:
         log.info("session %s/%s closed on %s: HTTP %s", namespace, name, endpoint, code or "unreachable")
 
 
-def retry_one(entry: dict[str, Any], cells: Any, sessions: Any) -> bool:
-    """Bind one pending Session again (the sweep, outside kopf: it writes its own status and posts its own Events).
-    Returns whether it wrote anything."""
-    meta = entry["metadata"]
-    patch: dict[str, Any] = {}
-    try:
-        reconcile(name=meta["name"], namespace=meta["namespace"], body=entry, spec=entry["spec"], patch=patch,
-                  cell_index=cells, session_index=sessions)
-    except (kopf.PermanentError, kopf.TemporaryError):
-        return False
-    if patch.get("status"):
-        kube.patch_status("sessions", meta["namespace"], meta["name"], patch["status"])
-        return True
-    return False
+class SessionController:
+    """Binds Sessions, outside kopf (informer.py says why). Its reflector keeps SESSION_CACHE current and queues the
+    key of each Session an event touches; ``MODELD_BIND_WORKERS`` workers take keys off the queue and bind each one
+    unless it is bound, alive and at its generation (level-triggered, as Kubernetes' own controllers are); the retry
+    sweep queues every Session not Bound when a Cell changed in what a bind reads (half a second later, so a burst is
+    one sweep) and at the latest every ``MODELD_RETRY_DELAY`` seconds. A bind is one status write and an Event; the
+    Session carries no finalizer, annotation or label of the operator's (docs/operator.md, "Scale")."""
 
+    CELLS_WAIT_S = 30.0
 
-class RetrySweep:
-    """Bind each Session that is not Bound again: one task for the operator instead of a kopf timer per Session. It
-    runs when a Cell changed in what a bind reads (half a second later, so a burst of changes is one sweep) and at
-    the latest every ``MODELD_RETRY_DELAY`` seconds. A Session sent back by its Cell (worker lost) is bound at once
-    by its own watch event; the sweep is for those no cell fitted yet and binds whose write failed."""
+    def __init__(self, cache: SessionCache = SESSION_CACHE) -> None:
+        self.cache = cache
+        self.queue: WorkQueue[SessionKey] | None = None
+        self.cells: Any = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._releases: set[asyncio.Future[None]] = set()
 
-    def __init__(self) -> None:
-        self.task: asyncio.Task[None] | None = None
+    # -- events from the reflector, on the loop --------------------------------------------------------------------
+    def listed(self, objs: list[dict[str, Any]]) -> None:
+        for gone in self.cache.replace(objs):
+            self._release(gone)
+        assert self.queue is not None
+        for key in self.cache.objects:
+            self.queue.add(key)
 
-    async def run(self, pending: Any, cells: Any, sessions: Any) -> None:
+    def event(self, kind: str, obj: dict[str, Any]) -> None:
+        key = self.cache.key(obj)
+        if kind == "DELETED":
+            self.cache.remove(key)
+            self._release(obj)
+            return
+        self.cache.put(obj)
+        assert self.queue is not None
+        self.queue.add(key)
+
+    def _release(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, release, meta["name"], meta["namespace"], obj)
+        self._releases.add(fut)
+        fut.add_done_callback(self._releases.discard)
+
+    # -- the work --------------------------------------------------------------------------------------------------
+    async def process(self, key: SessionKey) -> None:
+        obj = self.cache.objects.get(key)
+        if obj is None:
+            return                                    # deleted meanwhile
+        await asyncio.get_running_loop().run_in_executor(self._pool, bind_one, obj, self.cells, self.cache.bound)
+
+    async def _worker(self) -> None:
+        assert self.queue is not None
+        while True:
+            key = await self.queue.get()
+            try:
+                await self.process(key)
+            except Exception:                         # noqa: BLE001 - one session's failure stops no other
+                log.exception("binding session %s/%s", *key)
+            finally:
+                self.queue.done(key)
+
+    async def _sweep(self) -> None:
         wake = CELL_CHANGES.event = asyncio.Event()
         while True:
             try:
@@ -247,25 +297,64 @@ class RetrySweep:
             except asyncio.TimeoutError:
                 pass
             wake.clear()
-            for entry in list(pending.get("pending", [])):
-                try:
-                    await asyncio.to_thread(retry_one, entry, cells, sessions)
-                except Exception:                             # noqa: BLE001 - one session's failure stops no other
-                    log.exception("retrying session %s", entry["metadata"].get("name"))
+            assert self.queue is not None
+            for key in list(self.cache.pending):
+                self.queue.add(key)
+
+    async def cells_indexed(self, cells: Any, namespace: str | None) -> None:
+        """Wait (at most CELLS_WAIT_S) until kopf's Cell index holds every Cell: a bind before that would find no
+        cell and write NoFittingCell on Sessions that fit (kopf holds its own handlers the same way)."""
+        def names() -> set[tuple[str, str]]:
+            reflector = Reflector("cells", namespace, lambda o: (o["metadata"]["namespace"], o["metadata"]["name"]),
+                                  lambda _: None, lambda *_: None)
+            return set(reflector.list_all()[0])
+        try:
+            want = await asyncio.to_thread(names)
+        except Exception as exc:                      # noqa: BLE001 - the apiserver away: bind as the index fills
+            log.warning("listing cells before binding: %s", exc)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.CELLS_WAIT_S
+        while any(not cells.get(k) for k in want) and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+
+    async def run(self, cells: Any, namespace: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        self.cells, self.queue = cells, WorkQueue[SessionKey]()
+        self.cache.clear()
+        self._pool = concurrent.futures.ThreadPoolExecutor(SETTINGS.bind_workers, thread_name_prefix="bind")
+        reflector = Reflector("sessions", namespace, slim_session, self.listed, self.event,
+                              timeout_s=SETTINGS.watch_server_timeout)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await self.cells_indexed(cells, namespace)
+            reflector.start(loop)
+            tasks = [loop.create_task(self._worker()) for _ in range(SETTINGS.bind_workers)]
+            tasks.append(loop.create_task(self._sweep()))
+            await asyncio.gather(*tasks)
+        finally:
+            reflector.stop()
+            for t in tasks:
+                t.cancel()
+            CELL_CHANGES.event = None
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-SWEEP = RetrySweep()
+CONTROLLER = SessionController()
+_RUNNING: asyncio.Task[None] | None = None
 
 
 @kopf.on.startup()
-async def start_sweep(**kw: Any) -> None:
-    """kopf passes its indexes to start-up handlers too (empty until the first listing fills them)."""
-    SWEEP.task = asyncio.get_running_loop().create_task(
-        SWEEP.run(kw["pending_index"], kw["cell_index"], kw["session_index"]))
+async def start_sessions(memo: kopf.Memo, **kw: Any) -> None:
+    """kopf passes its indexes to start-up handlers too (filled once its watches list; see cells_indexed)."""
+    global _RUNNING
+    kube.load_config()
+    _RUNNING = asyncio.get_running_loop().create_task(CONTROLLER.run(kw["cell_index"], memo.get("namespace") or None))
 
 
 @kopf.on.cleanup()
-async def stop_sweep(**_: Any) -> None:
-    if SWEEP.task is not None:
-        SWEEP.task.cancel()
-        SWEEP.task = None
+async def stop_sessions(**_: Any) -> None:
+    global _RUNNING
+    if _RUNNING is not None:
+        _RUNNING.cancel()
+        _RUNNING = None
