@@ -10,6 +10,8 @@ CELL_LABELS = ["cell_namespace", "cell"]
 CELL_READY_REPLICAS = Gauge("modeld_operator_cell_ready_replicas", "Ready worker pods per cell", CELL_LABELS)
 CELL_CERTIFIED = Gauge("modeld_operator_cell_certified",
                        "A cell's Certified condition: 1 True, 0 False, -1 Unknown (being measured, not yet)", CELL_LABELS)
+EVENTS_DROPPED = Counter("modeld_operator_events_dropped_total",
+                         "Normal Events not posted: their queue was full (a burst; the status says the same)")
 BIND_SECONDS = Histogram(
     "modeld_operator_session_bind_seconds",
     "Seconds from Session creation to binding",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
+import time
 
 import pytest
 
@@ -37,6 +39,16 @@ def body(generation: int = 1, status: dict | None = None) -> dict:
             "spec": {"modelFamily": "smollm2", "requiredContext": 1024}, "status": status or {}}
 
 
+class Recorder:
+    """The Normal-Event queue, recording in the order the bind hands Events to it."""
+
+    def __init__(self, writes: list) -> None:
+        self.writes = writes
+
+    def post(self, b, type, reason, message) -> None:
+        self.writes.append(("event", reason))
+
+
 @pytest.fixture
 def world(monkeypatch):
     """Records what the controller writes, in order: status patches and Events (("status", phase) and ("event",
@@ -47,6 +59,7 @@ def world(monkeypatch):
     monkeypatch.setattr(session.kube, "patch_status", lambda plural, ns, name, st: (
         out["writes"].append(("status", st.get("phase"))), out["statuses"].append(st)))
     monkeypatch.setattr(session.kube, "post_event", lambda b, type, reason, message: out["writes"].append(("event", reason)))
+    monkeypatch.setattr(session.kube, "EVENTS", Recorder(out["writes"]))
     monkeypatch.setattr(session.kube, "http_json", lambda method, url, timeout, body=None: out["http"].append(
         (method, url)) or (200, None))
     return out
@@ -266,3 +279,23 @@ def test_the_reflector_lists_a_page_at_a_time(monkeypatch):
     monkeypatch.setattr(r, "_call", lambda **kw: asked.append(kw) or pages[kw.get("_continue")])
     assert r.list_all() == (["a", "b"], "42")
     assert [kw["limit"] for kw in asked] == [Reflector.PAGE] * 2
+
+
+def test_normal_events_are_posted_behind_the_binds_in_order_and_a_full_queue_drops_and_counts(monkeypatch):
+    """client-go's recorder semantics: the bind does not wait for its Event; a burst beyond the queue drops Normal
+    Events (counted), never the work they report."""
+    from modeld_operator import kube, metrics
+
+    posted: list = []
+    gate = threading.Event()
+    monkeypatch.setattr(kube, "post_event", lambda b, type, reason, message: gate.wait(5) and posted.append(message))
+    sink = kube.EventSink(size=3)
+    dropped = metrics.EVENTS_DROPPED._value.get()
+    b = body()
+    for i in range(5):                     # the poster takes the first at once and blocks on it: 3 more fit
+        sink.post(b, "Normal", "Bound", str(i))
+        time.sleep(0.05)
+    assert metrics.EVENTS_DROPPED._value.get() - dropped == 1
+    gate.set()
+    assert sink.join(5)
+    assert posted == ["0", "1", "2", "3"]

@@ -213,8 +213,8 @@ def bind_one(obj: dict[str, Any], cells: Any, sessions: Any) -> bool:
         return False
     if patch.get("status"):
         kube.patch_status("sessions", meta["namespace"], meta["name"], patch["status"])
-    for type_, reason, message in events:
-        kube.post_event(obj, type_, reason, message)
+    for type_, reason, message in events:       # a Warning at once; a Normal one behind the binds (kube.EventSink)
+        (kube.post_event if type_ == "Warning" else kube.EVENTS.post)(obj, type_, reason, message)
     return bool(patch.get("status"))
 
 
