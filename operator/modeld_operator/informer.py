@@ -65,17 +65,47 @@ class Gone(Exception):
     """The watch's resourceVersion is too old (HTTP 410): list again."""
 
 
+Lister = Callable[..., Any]
+"""(**query) -> the apiserver's raw response (urllib3's, not read): a LIST page, or a WATCH stream with watch=True."""
+
+
+def custom_lister(plural: str, namespace: str | None) -> Lister:
+    def call(**kw: Any) -> Any:
+        custom = kube.custom()
+        if namespace:
+            return custom.list_namespaced_custom_object(api.GROUP, api.VERSION, namespace, plural,
+                                                        _preload_content=False, **kw)
+        return custom.list_cluster_custom_object(api.GROUP, api.VERSION, plural, _preload_content=False, **kw)
+    return call
+
+
+def pod_lister(namespace: str | None, label_selector: str) -> Lister:
+    def call(**kw: Any) -> Any:
+        core = kube.core()
+        if namespace:
+            return core.list_namespaced_pod(namespace, label_selector=label_selector, _preload_content=False, **kw)
+        return core.list_pod_for_all_namespaces(label_selector=label_selector, _preload_content=False, **kw)
+    return call
+
+
+def node_lister() -> Lister:
+    def call(**kw: Any) -> Any:
+        return kube.core().list_node(_preload_content=False, **kw)
+    return call
+
+
 class Reflector:
-    """LIST then WATCH one custom resource (all namespaces, or one), in a thread of its own (the kubernetes client is
-    synchronous), handing each object to ``on_list`` (the whole listing, once per LIST) and ``on_event`` (each watch
-    event) on ``loop``, in order. ``slim`` turns each object into what the cache keeps, in this thread."""
+    """LIST then WATCH one kind, in a thread of its own (the kubernetes client is synchronous), handing the whole
+    listing to ``on_list`` (once per LIST) and each watch event to ``on_event``, on ``loop``, in order. ``slim`` turns
+    each object (a plain dict: the response is parsed here, not into the client's models) into what the cache keeps,
+    in this thread."""
 
     PAGE = 500
 
-    def __init__(self, plural: str, namespace: str | None, slim: Callable[[dict[str, Any]], Any],
+    def __init__(self, name: str, lister: Lister, slim: Callable[[dict[str, Any]], Any],
                  on_list: Callable[[list[Any]], None], on_event: Callable[[str, Any], None],
                  timeout_s: int = 300) -> None:
-        self.plural, self.namespace, self.slim = plural, namespace, slim
+        self.name, self.lister, self.slim = name, lister, slim
         self.on_list, self.on_event, self.timeout_s = on_list, on_event, timeout_s
         self._stop = threading.Event()
         self._resp: Any = None
@@ -83,7 +113,8 @@ class Reflector:
         self.lists = 0                  # how many LISTs it made (a relist after 410 counts too)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._thread = threading.Thread(target=self._run, args=(loop,), name=f"reflector-{self.plural}", daemon=True)
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name=f"reflector-{self.name}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -95,12 +126,6 @@ class Reflector:
             except Exception:         # noqa: BLE001 - closing a stream already closed
                 pass
 
-    def _call(self, **kw: Any) -> Any:
-        custom = kube.custom()
-        if self.namespace:
-            return custom.list_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, self.plural, **kw)
-        return custom.list_cluster_custom_object(api.GROUP, api.VERSION, self.plural, **kw)
-
     def list_all(self) -> tuple[list[Any], str]:
         """Every object, a page at a time (each page slimmed before the next is read), and the list's version."""
         items: list[Any] = []
@@ -109,7 +134,11 @@ class Reflector:
             kw: dict[str, Any] = {"limit": self.PAGE, "_request_timeout": kube.TIMEOUT}
             if token:
                 kw["_continue"] = token
-            page = self._call(**kw)
+            resp = self.lister(**kw)
+            try:
+                page = json.loads(resp.read())
+            finally:
+                resp.release_conn()
             items.extend(self.slim(o) for o in page.get("items") or [])
             meta = page.get("metadata") or {}
             token = meta.get("continue")
@@ -119,9 +148,9 @@ class Reflector:
 
     def watch(self, rv: str) -> str:
         """One WATCH from ``rv`` until the server ends it; returns the last version seen. Raises Gone on 410."""
-        self._resp = resp = self._call(watch=True, resource_version=rv, allow_watch_bookmarks=True,
-                                       timeout_seconds=self.timeout_s, _preload_content=False,
-                                       _request_timeout=(kube.TIMEOUT[0], self.timeout_s + 30))
+        self._resp = resp = self.lister(watch=True, resource_version=rv, allow_watch_bookmarks=True,
+                                        timeout_seconds=self.timeout_s,
+                                        _request_timeout=(kube.TIMEOUT[0], self.timeout_s + 30))
         try:
             for line in iter_resp_lines(resp):
                 if self._stop.is_set():
@@ -145,8 +174,7 @@ class Reflector:
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         self._loop.call_soon_threadsafe(fn, *args)
 
-    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def _run(self) -> None:
         rv: str | None = None
         backoff = 0.5
         while not self._stop.is_set():
@@ -157,7 +185,7 @@ class Reflector:
                 rv = self.watch(rv)
                 backoff = 0.5
             except Gone:
-                log.info("%s: watch version too old; listing again", self.plural)
+                log.info("%s: watch version too old; listing again", self.name)
                 rv = None
             except Exception as exc:  # noqa: BLE001 - the apiserver away or a broken stream: wait, watch again
                 if self._stop.is_set():
@@ -165,8 +193,48 @@ class Reflector:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     rv = None
                     continue
-                log.warning("%s: watch failed (%s); again in %.1f s", self.plural, exc, backoff)
+                log.warning("%s: watch failed (%s); again in %.1f s", self.name, exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
 
 
+class Index:
+    """What a kopf index was to the handlers, kept by a reflector: each object puts values under keys (its indexer's
+    mapping), and ``get(key, default)`` gives the values under a key as a list (``store(index, key)`` in the
+    handlers). Changed on the event loop only; read from handler threads."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[Any, dict[Any, Any]] = {}
+        self._keys_of: dict[Any, list[Any]] = {}
+
+    def put(self, objkey: Any, entries: dict[Any, Any]) -> None:
+        self.remove(objkey)
+        for key, value in entries.items():
+            self._by_key.setdefault(key, {})[objkey] = value
+        if entries:
+            self._keys_of[objkey] = list(entries)
+
+    def remove(self, objkey: Any) -> None:
+        for key in self._keys_of.pop(objkey, ()):
+            values = self._by_key.get(key)
+            if values is not None:
+                values.pop(objkey, None)
+                if not values:
+                    del self._by_key[key]
+
+    def replace(self, items: list[tuple[Any, dict[Any, Any]]]) -> list[Any]:
+        """A new listing: returns the object keys it no longer has."""
+        listed = {objkey for objkey, _ in items}
+        gone = [k for k in self._keys_of if k not in listed]
+        for objkey in gone:
+            self.remove(objkey)
+        for objkey, entries in items:
+            self.put(objkey, entries)
+        return gone
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        values = self._by_key.get(key)
+        return list(values.values()) if values is not None else default
+
+    def __len__(self) -> int:
+        return len(self._keys_of)

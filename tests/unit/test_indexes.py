@@ -4,8 +4,6 @@ bindings a Cell's refresh sends back."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 import modeld_api as api
@@ -20,13 +18,14 @@ from modeld_operator.handlers.indexes import (
     pod_index,
 )
 from modeld_operator.handlers.session import _cell_views
+from modeld_operator.informer import Index
 
 pytestmark = pytest.mark.unit
 
 
 def run(indexer, **kw):
-    """kopf's indexers are async (no thread hop per watch event); each is a pure function of the object."""
-    return asyncio.run(indexer(**kw))
+    """Each indexer is a pure function of the object (run in its reflector's thread)."""
+    return indexer(**kw)
 
 SPEC = {"model": {"family": "smollm2", "ref": "/models/smollm2"}, "runtime": {"backend": "torch"},
         "topology": {"gpus": 0, "interconnect": "none"}, "contextTier": 2048}
@@ -184,21 +183,15 @@ def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypat
     assert placement.spec_hash(spec) != placement.spec_hash(old_spec)
 
 
-def test_an_indexer_that_stops_holding_an_object_returns_an_empty_mapping_which_kopf_removes():
-    """kopf takes an indexer's None as "no change" and keeps the old values; {} removes them. A worker pod whose cell
-    label is taken off must leave its cell's index (else the cell keeps counting it as its endpoint)."""
-    from kopf._core.actions.execution import Outcome
-    from kopf._core.engines.indexing import OperatorIndexer, OperatorIndexers
-
-    indexers = OperatorIndexers()
-    hid = "pod_index"
-    indexers[hid] = OperatorIndexer()  # type: ignore[index]
-    body = {"metadata": {"namespace": "ns", "name": "p", "uid": "u1"}}
+def test_an_index_replaces_an_objects_entries_whole_and_a_listing_drops_what_it_lacks():
+    """A worker pod whose cell label is taken off leaves its cell's entry (else the cell keeps counting it as its
+    endpoint); an object a new listing lacks (deleted while no watch was open) leaves the index."""
+    idx = Index()
     meta = {"name": "p"}
-    for labels, expected in [({api.LABEL_CELL: "c"}, 1), ({}, 0)]:
-        result = run(pod_index, namespace="ns", meta=meta, spec={}, status={}, labels=labels)
-        indexers.replace(body, {hid: Outcome(final=True, result=result)})  # type: ignore[arg-type]
-        assert len(list(indexers[hid].index.get(("cell", "ns", "c"), []))) == expected
-    indexers.replace(body, {hid: Outcome(final=True, result={("cell", "ns", "c"): "stale"})})  # type: ignore[arg-type]
-    indexers.replace(body, {hid: Outcome(final=True, result=None)})  # type: ignore[arg-type]
-    assert list(indexers[hid].index.get(("cell", "ns", "c"), [])) == ["stale"]     # what None would have left behind
+    idx.put(("ns", "p"), run(pod_index, namespace="ns", meta=meta, spec={}, status={}, labels={api.LABEL_CELL: "c"}))
+    idx.put(("ns", "q"), run(pod_index, namespace="ns", meta={"name": "q"}, spec={}, status={}, labels={api.LABEL_CELL: "c"}))
+    assert len(idx.get(("cell", "ns", "c"))) == 2 and len(idx) == 2
+    idx.put(("ns", "p"), run(pod_index, namespace="ns", meta=meta, spec={}, status={}, labels={}))
+    assert [p["metadata"]["name"] for p in idx.get(("cell", "ns", "c"))] == ["q"] and len(idx) == 1
+    assert idx.replace([]) == [("ns", "q")]
+    assert idx.get(("cell", "ns", "c")) is None and idx.get(("cell", "ns", "c"), []) == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import pytest
@@ -298,8 +297,9 @@ def test_spec_roundtrip_is_stable():
 
 def test_node_index_keeps_what_placement_reads():
     """The operator's node index (one watch instead of a list per Cell per tick) holds exactly what NodeView reads,
-    all nodes under "all" and each under its name; a change placement reads counts, a heartbeat does not."""
-    from modeld_operator.handlers.cell import NODES, node_index
+    all nodes under "all" and each under its name; a change placement reads counts, a heartbeat does not, and the
+    count moves only once the index holds the change (a plan cached under the new count reads the new node)."""
+    from modeld_operator.handlers.indexes import NODES, Caches, indexed, node_index
 
     node = {"metadata": {"name": "gpu-1", "labels": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
                                                      "modeld.contenox.io/interconnect": "nvswitch"},
@@ -308,17 +308,22 @@ def test_node_index_keeps_what_placement_reads():
             "status": {"allocatable": {"nvidia.com/gpu": "8", "cpu": "96"},
                        "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "t"}],
                        "images": [{"names": ["a"]}]}}
+    caches = Caches()
     before = NODES.version
-    entry = asyncio.run(node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"]))
-    assert list(entry) == ["all", ("node", "gpu-1")] and entry["all"] is entry[("node", "gpu-1")]
+    key, entry = indexed(node_index)(node)
+    assert key == (None, "gpu-1") and list(entry) == ["all", ("node", "gpu-1")] and entry["all"] is entry[("node", "gpu-1")]
     assert entry["all"] == placement.NodeView.from_obj(node)
-    assert NODES.version == before + 1
+    assert NODES.version == before                                                       # not indexed yet
+    caches._on_node("ADDED", (key, entry))
+    assert NODES.version == before + 1 and caches.nodes.get("all") == [entry["all"]]
     node["status"]["conditions"][0]["lastHeartbeatTime"] = "t2"                         # a heartbeat
-    asyncio.run(node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"]))
+    caches._on_node("MODIFIED", indexed(node_index)(node))
     assert NODES.version == before + 1
     node["metadata"]["labels"]["modeld.contenox.io/interconnect"] = "pcie"              # what placement reads
-    asyncio.run(node_index(name="gpu-1", meta=node["metadata"], spec=node["spec"], status=node["status"]))
+    caches._on_node("MODIFIED", indexed(node_index)(node))
     assert NODES.version == before + 2
+    caches._on_node("DELETED", indexed(node_index)(node))
+    assert NODES.version == before + 3 and caches.nodes.get("all", []) == []
 
 
 # spec.sessionStore: where the worker commits sessions (docs/worker.md "Session store")

@@ -237,46 +237,49 @@ def test_the_sweep_queues_pending_sessions_when_a_cell_changes_not_only_on_its_i
 
 
 class FakeStream:
-    """A watch response as urllib3 gives it: chunks that split lines anywhere."""
+    """A response as urllib3 gives it unread: a watch's chunks split lines anywhere."""
 
     def __init__(self, lines: list[dict]) -> None:
-        raw = "".join(json.dumps(x) + "\n" for x in lines).encode()
-        self.chunks = [raw[i:i + 7] for i in range(0, len(raw), 7)]
+        self.raw = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        self.chunks = [self.raw[i:i + 7] for i in range(0, len(self.raw), 7)]
         self.released = False
 
     def stream(self, amt=None, decode_content=False):
         yield from self.chunks
 
+    def read(self) -> bytes:
+        return self.raw
+
     def release_conn(self) -> None:
         self.released = True
 
 
-def test_the_reflector_delivers_watch_events_in_order_and_lists_again_on_410(monkeypatch):
+def test_the_reflector_delivers_watch_events_in_order_and_lists_again_on_410():
     delivered: list = []
-    r = Reflector("sessions", None, lambda o: o["metadata"]["name"], lambda objs: delivered.append(("list", objs)),
-                  lambda kind, name: delivered.append((kind, name)))
+    calls: list = []
+    stream: FakeStream | None = None
+    r = Reflector("sessions", lambda **kw: calls.append(kw) or stream, lambda o: o["metadata"]["name"],
+                  lambda objs: delivered.append(("list", objs)), lambda kind, name: delivered.append((kind, name)))
     r._deliver = lambda fn, *args: fn(*args)  # type: ignore[method-assign]
     ev = [{"type": "ADDED", "object": {"metadata": {"name": "a", "resourceVersion": "5"}}},
           {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "7"}}},
           {"type": "MODIFIED", "object": {"metadata": {"name": "a", "resourceVersion": "9"}}},
           {"type": "DELETED", "object": {"metadata": {"name": "a", "resourceVersion": "10"}}}]
     stream = FakeStream(ev)
-    calls: list = []
-    monkeypatch.setattr(r, "_call", lambda **kw: calls.append(kw) or stream)
     assert r.watch("4") == "10"
     assert delivered == [("ADDED", "a"), ("MODIFIED", "a"), ("DELETED", "a")] and stream.released
     assert calls[0]["resource_version"] == "4" and calls[0]["allow_watch_bookmarks"]
-    monkeypatch.setattr(r, "_call", lambda **kw: FakeStream([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}]))
+    stream = FakeStream([{"type": "ERROR", "object": {"code": 410, "message": "too old"}}])
     with pytest.raises(Gone):
         r.watch("10")
 
 
-def test_the_reflector_lists_a_page_at_a_time(monkeypatch):
+def test_the_reflector_lists_a_page_at_a_time():
     pages = {None: {"items": [{"metadata": {"name": "a"}}], "metadata": {"continue": "p2"}},
              "p2": {"items": [{"metadata": {"name": "b"}}], "metadata": {"resourceVersion": "42"}}}
     asked: list = []
-    r = Reflector("sessions", "ns", lambda o: o["metadata"]["name"], lambda _: None, lambda *_: None)
-    monkeypatch.setattr(r, "_call", lambda **kw: asked.append(kw) or pages[kw.get("_continue")])
+    r = Reflector("sessions", lambda **kw: asked.append(kw) or FakeStream([pages[kw.get("_continue")]]),
+                  lambda o: o["metadata"]["name"], lambda _: None, lambda *_: None)
     assert r.list_all() == (["a", "b"], "42")
     assert [kw["limit"] for kw in asked] == [Reflector.PAGE] * 2
 

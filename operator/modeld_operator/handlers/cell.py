@@ -14,14 +14,17 @@ from modeld_api.served import unserved
 from modeld_operator import cellstatus, certification, kube, metrics, placement
 from modeld_operator.conditions import get_condition, set_condition, spec_errors
 from modeld_operator.conditions import now as conditions_now
-from modeld_operator.handlers.indexes import (
+from modeld_operator.handlers.indexes import (  # noqa: F401  (NODES, node_index: re-exported for their tests)
     BINDINGS,
+    CACHES,
     CELL_CHANGES,
     CELLS,
+    NODES,
     SESSION_CACHE,
     BoundSession,
     CellEntry,
     alive,
+    node_index,
     store,
 )
 from modeld_operator.handlers.rejected import holds, surfaced
@@ -116,50 +119,18 @@ def certify(
     return step.cert, step.verdict
 
 
-class NodeVersions:
-    """Counts changes to what placement reads of the nodes, so a Cell's placement is recomputed only when a node it
-    could land on changed (kwok's and the kubelet's heartbeats change nothing placement reads): a status refresh then
-    costs the same with 5 nodes or 500."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self._seen: dict[str, placement.NodeView] = {}
-
-    def saw(self, view: placement.NodeView) -> None:
-        if self._seen.get(view.name) != view:
-            self._seen[view.name] = view
-            self.version += 1
-
-
-NODES = NodeVersions()
-
-
-@kopf.index("", "v1", "nodes")
-async def node_index(name: str, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any) -> dict[Any, placement.NodeView]:
-    """Every node, as placement reads it (all under "all", each under ("node", name)), kept current by one watch."""
-    view = placement.NodeView.from_obj({
-        "metadata": {"name": name, "labels": dict(meta.get("labels") or {})},
-        "spec": {"unschedulable": bool(spec.get("unschedulable"))},
-        "status": {"allocatable": dict(status.get("allocatable") or {}),
-                   "conditions": [{"type": c.get("type"), "status": c.get("status")}
-                                  for c in status.get("conditions") or []]},
-    })
-    NODES.saw(view)
-    return {"all": view, ("node", name): view}
-
-
 @dataclasses.dataclass(frozen=True)
 class Indexes:
-    """The indexes a Cell handler reads (kopf passes its own by their functions' names; the bound Sessions come from
-    the Session controller's cache, session.py)."""
-    nodes: kopf.Index[Any, placement.NodeView] | None
-    pods: kopf.Index[Any, dict[str, Any]] | None
-    cells: kopf.Index[Any, CellEntry] | None
-    sessions: Any                    # a kopf.Index or the BoundIndex (by .get)
+    """The indexes a Cell handler reads (indexes.py: ``CACHES``; the bound Sessions from the Session controller's
+    cache, session.py)."""
+    nodes: Any                       # each read by .get(key, default) (store()): an informer.Index, or the BoundIndex
+    pods: Any
+    cells: Any
+    sessions: Any
 
     @classmethod
     def of(cls, kw: dict[str, Any]) -> Indexes:
-        return cls(kw.get("node_index"), kw.get("pod_index"), kw.get("cell_index"), SESSION_CACHE.bound)
+        return cls(CACHES.nodes, CACHES.pods, CACHES.cells, SESSION_CACHE.bound)
 
 
 _PLANS: dict[tuple[str, str], tuple[tuple[int, int], str, placement.Placement]] = {}

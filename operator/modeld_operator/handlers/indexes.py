@@ -1,17 +1,14 @@
-"""In-memory indexes the handlers read instead of listing: kopf keeps each current from one watch per kind, so
-binding a Session or refreshing a Cell costs no list call against the apiserver, and no handler's work grows with
-the number of objects outside its own namespace (docs/operator.md, "Scale"). kopf fills every index before any
-handler runs, and passes each to every handler by its function's name.
-
-The indexers kopf calls are ``async``: a sync one runs in kopf's thread pool, a thread hop per watch event of every
-pod, node, Cell and Session; each is a pure function of the object, so nothing blocks. An object an index no longer
-holds gets ``{}`` from its indexer, never ``None``: kopf takes None as "no change" and keeps the object's old values
-(a Session sent back to Pending stayed counted on its old Cell, and a bound one stayed in the pending index, where
-the retry sweep would have bound it again from its stale body)."""
+"""In-memory indexes the handlers read instead of listing: Cells, the operator's pods and the nodes (``Caches``) and
+the Sessions (``SessionCache``, filled by the Session controller), each kept current by one reflector (a paginated
+LIST, then one WATCH: informer.py), so binding a Session or refreshing a Cell costs no list call against the
+apiserver, and no handler's work grows with the number of objects outside its own namespace (docs/operator.md,
+"Scale"). The indexers are pure functions of an object, run in the reflector's thread; what they return replaces
+the object's earlier entries whole (``{}``: it is in none). They used to be kopf indexes; why they are not: ``Caches``."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +18,11 @@ import kopf
 from pydantic import ValidationError
 
 import modeld_api as api
+from modeld_operator import kube, placement
+from modeld_operator.informer import Index, Reflector, custom_lister, node_lister, pod_lister
+from modeld_operator.settings import SETTINGS
+
+log = logging.getLogger("modeld_operator.indexes")
 
 CELLS = (api.GROUP, api.VERSION, "cells")           # what the handlers of cell.py and session.py watch too
 SESSIONS = (api.GROUP, api.VERSION, "sessions")
@@ -83,12 +85,9 @@ class CellChanges:
 CELL_CHANGES = CellChanges()
 
 
-@kopf.index(*CELLS)
-async def cell_index(name: str, namespace: str | None, spec: kopf.Spec, status: kopf.Status,
-                     **_: Any) -> dict[Any, CellEntry]:
+def cell_index(name: str, namespace: str | None, spec: Any, status: Any, **_: Any) -> dict[Any, CellEntry]:
     """Cells by namespace (the candidates of a bind) and by (namespace, name)."""
     entry = cell_entry(name, spec, status)
-    CELL_CHANGES.saw(namespace, entry)
     return {namespace: entry, (namespace, name): entry}
 
 
@@ -255,9 +254,7 @@ def slim_pod(meta: Any, spec: Any, status: Any) -> dict[str, Any]:
     }
 
 
-@kopf.index("", "v1", "pods", labels={api.LABEL_MANAGED_BY: "modeld"})
-async def pod_index(namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, labels: kopf.Labels,
-                    **_: Any) -> dict[Any, dict[str, Any]]:
+def pod_index(namespace: str | None, meta: Any, spec: Any, status: Any, labels: Any, **_: Any) -> dict[Any, dict[str, Any]]:
     """A cell's worker pods by ("cell", namespace, cell); a certification Job's pods by ("job", namespace, job)."""
     pod = slim_pod(meta, spec, status)
     if (cell := labels.get(api.LABEL_CELL)) is not None:
@@ -265,6 +262,159 @@ async def pod_index(namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, sta
     if (job := labels.get(JOB_NAME) or labels.get("job-name")) is not None and api.LABEL_CERTIFIES in labels:
         return {("job", namespace, job): pod}
     return {}
+
+
+class NodeVersions:
+    """Counts changes to what placement reads of the nodes, so a Cell's placement is recomputed only when a node it
+    could land on changed (kwok's and the kubelet's heartbeats change nothing placement reads): a status refresh then
+    costs the same with 5 nodes or 500."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._seen: dict[str, placement.NodeView] = {}
+
+    def saw(self, view: placement.NodeView) -> None:
+        if self._seen.get(view.name) != view:
+            self._seen[view.name] = view
+            self.version += 1
+
+    def forget(self, name: str) -> None:
+        if self._seen.pop(name, None) is not None:
+            self.version += 1
+
+
+NODES = NodeVersions()
+
+
+def node_index(name: str, meta: Any, spec: Any, status: Any, **_: Any) -> dict[Any, placement.NodeView]:
+    """Every node, as placement reads it (all under "all", each under ("node", name))."""
+    view = placement.NodeView.from_obj({
+        "metadata": {"name": name, "labels": dict(meta.get("labels") or {})},
+        "spec": {"unschedulable": bool(spec.get("unschedulable"))},
+        "status": {"allocatable": dict(status.get("allocatable") or {}),
+                   "conditions": [{"type": c.get("type"), "status": c.get("status")}
+                                  for c in status.get("conditions") or []]},
+    })
+    return {"all": view, ("node", name): view}
+
+
+def indexed(indexer: Any) -> Any:
+    """A reflector's slim function from an indexer: the object's key and the entries it puts in the index (computed
+    in the reflector's thread; its body is then dropped)."""
+    def slim(body: dict[str, Any]) -> tuple[tuple[Any, Any], dict[Any, Any]]:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace"), meta.get("name"))
+        return key, indexer(name=meta.get("name"), namespace=meta.get("namespace"), meta=meta,
+                            spec=body.get("spec") or {}, status=body.get("status") or {},
+                            labels=meta.get("labels") or {})
+    return slim
+
+
+class Caches:
+    """The Cells, the operator's pods and the nodes, each kept by a reflector of its own (informer.py) in an Index the
+    handlers read as they read kopf's indexes. Not kopf's indexes: until every object of every indexed kind was
+    indexed, kopf holds each object's worker on one condition and wakes all of them at each object's first event, so
+    a restart at 1,000 Cells (their pods, 500 nodes) spent a third of the operator's time in those wake-ups
+    (docs/operator.md, "Scale"). kopf runs the start-up handler, which waits for every first listing, before any
+    Cell handler: those never see a half-filled cache."""
+
+    def __init__(self) -> None:
+        self.cells, self.pods, self.nodes = Index(), Index(), Index()
+        self.synced = False             # every first listing is in
+        self._reflectors: list[Reflector] = []
+
+    def _on_cells_listed(self, items: list[Any]) -> None:
+        for ns, name in self.cells.replace(items):
+            CELL_CHANGES.forget(ns, name)
+        for (ns, _), entries in items:
+            for key, entry in entries.items():
+                if isinstance(key, tuple):
+                    CELL_CHANGES.saw(ns, entry)
+
+    def _on_cell(self, kind: str, item: Any) -> None:
+        (ns, name), entries = item
+        if kind == "DELETED":
+            self.cells.remove((ns, name))
+            CELL_CHANGES.forget(ns, name)
+            return
+        self.cells.put((ns, name), entries)
+        CELL_CHANGES.saw(ns, entries[(ns, name)])      # after the index has it: the sweep it wakes reads the index
+
+    def _on_nodes_listed(self, items: list[Any]) -> None:
+        for _, name in self.nodes.replace(items):
+            NODES.forget(name)
+        for _, entries in items:
+            NODES.saw(entries["all"])
+
+    def _on_node(self, kind: str, item: Any) -> None:
+        (_, name), entries = item
+        if kind == "DELETED":
+            self.nodes.remove((None, name))
+            NODES.forget(name)
+            return
+        self.nodes.put((None, name), entries)
+        NODES.saw(entries["all"])
+
+    def _on_pod(self, kind: str, item: Any) -> None:
+        objkey, entries = item
+        if kind == "DELETED":
+            self.pods.remove(objkey)
+        else:
+            self.pods.put(objkey, entries)
+
+    def _pods_listed(self, items: list[Any]) -> None:
+        self.pods.replace(items)
+
+    async def start(self, namespace: str | None) -> None:
+        """Start the reflectors and wait for each one's first listing."""
+        loop = asyncio.get_running_loop()
+        self.synced = False
+        listed: dict[str, asyncio.Event] = {k: asyncio.Event() for k in ("cells", "pods", "nodes")}
+
+        def first(name: str, fn: Any) -> Any:
+            def on_list(items: list[Any]) -> None:
+                fn(items)
+                listed[name].set()
+            return on_list
+
+        timeout = SETTINGS.watch_server_timeout
+        self._reflectors = [
+            Reflector("cells", custom_lister("cells", namespace), indexed(cell_index),
+                      first("cells", self._on_cells_listed), self._on_cell, timeout),
+            Reflector("pods", pod_lister(namespace, f"{api.LABEL_MANAGED_BY}=modeld"), indexed(pod_index),
+                      first("pods", self._pods_listed), self._on_pod, timeout),
+            Reflector("nodes", node_lister(), indexed(node_index),
+                      first("nodes", self._on_nodes_listed), self._on_node, timeout),
+        ]
+        for r in self._reflectors:
+            r.start(loop)
+        for name, event in listed.items():
+            while not event.is_set():
+                try:
+                    await asyncio.wait_for(event.wait(), 30)
+                except asyncio.TimeoutError:
+                    log.warning("still waiting for the first listing of %s (the apiserver is slow or away)", name)
+        self.synced = True
+
+    def stop(self) -> None:
+        for r in self._reflectors:
+            r.stop()
+        self._reflectors = []
+        self.synced = False
+
+
+CACHES = Caches()
+
+
+@kopf.on.startup()
+async def start_caches(memo: kopf.Memo, **_: Any) -> None:
+    kube.load_config()
+    await CACHES.start(memo.get("namespace") or None)
+
+
+@kopf.on.cleanup()
+async def stop_caches(**_: Any) -> None:
+    CACHES.stop()
 
 
 def store(index: kopf.Index[Any, Any] | None, key: Any) -> list[Any]:

@@ -17,6 +17,7 @@ from modeld_operator import kube, metrics, placement
 from modeld_operator.conditions import now, set_condition, spec_errors
 from modeld_operator.handlers.indexes import (
     BINDINGS,
+    CACHES,
     CELL_CHANGES,
     SESSION_CACHE,
     BoundSession,
@@ -28,7 +29,7 @@ from modeld_operator.handlers.indexes import (
     store,
 )
 from modeld_operator.handlers.rejected import Reported, surfaced
-from modeld_operator.informer import Reflector, WorkQueue
+from modeld_operator.informer import Reflector, WorkQueue, custom_lister
 from modeld_operator.settings import SETTINGS
 
 log = logging.getLogger("modeld_operator.session")
@@ -237,8 +238,6 @@ class SessionController:
     one sweep) and at the latest every ``MODELD_RETRY_DELAY`` seconds. A bind is one status write and an Event; the
     Session carries no finalizer, annotation or label of the operator's (docs/operator.md, "Scale")."""
 
-    CELLS_WAIT_S = 30.0
-
     def __init__(self, cache: SessionCache = SESSION_CACHE) -> None:
         self.cache = cache
         self.queue: WorkQueue[SessionKey] | None = None
@@ -301,33 +300,15 @@ class SessionController:
             for key in list(self.cache.pending):
                 self.queue.add(key)
 
-    async def cells_indexed(self, cells: Any, namespace: str | None) -> None:
-        """Wait (at most CELLS_WAIT_S) until kopf's Cell index holds every Cell: a bind before that would find no
-        cell and write NoFittingCell on Sessions that fit (kopf holds its own handlers the same way)."""
-        def names() -> set[tuple[str, str]]:
-            reflector = Reflector("cells", namespace, lambda o: (o["metadata"]["namespace"], o["metadata"]["name"]),
-                                  lambda _: None, lambda *_: None)
-            return set(reflector.list_all()[0])
-        try:
-            want = await asyncio.to_thread(names)
-        except Exception as exc:                      # noqa: BLE001 - the apiserver away: bind as the index fills
-            log.warning("listing cells before binding: %s", exc)
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.CELLS_WAIT_S
-        while any(not cells.get(k) for k in want) and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-
     async def run(self, cells: Any, namespace: str | None) -> None:
         loop = asyncio.get_running_loop()
         self.cells, self.queue = cells, WorkQueue[SessionKey]()
         self.cache.clear()
         self._pool = concurrent.futures.ThreadPoolExecutor(SETTINGS.bind_workers, thread_name_prefix="bind")
-        reflector = Reflector("sessions", namespace, slim_session, self.listed, self.event,
+        reflector = Reflector("sessions", custom_lister("sessions", namespace), slim_session, self.listed, self.event,
                               timeout_s=SETTINGS.watch_server_timeout)
         tasks: list[asyncio.Task[None]] = []
         try:
-            await self.cells_indexed(cells, namespace)
             reflector.start(loop)
             tasks = [loop.create_task(self._worker()) for _ in range(SETTINGS.bind_workers)]
             tasks.append(loop.create_task(self._sweep()))
@@ -345,11 +326,14 @@ _RUNNING: asyncio.Task[None] | None = None
 
 
 @kopf.on.startup()
-async def start_sessions(memo: kopf.Memo, **kw: Any) -> None:
-    """kopf passes its indexes to start-up handlers too (filled once its watches list; see cells_indexed)."""
+async def start_sessions(memo: kopf.Memo, **_: Any) -> None:
+    """After the caches' start-up (registered before this one): the Cells are indexed, so no bind writes
+    NoFittingCell on a Session whose cell is not indexed yet."""
     global _RUNNING
     kube.load_config()
-    _RUNNING = asyncio.get_running_loop().create_task(CONTROLLER.run(kw["cell_index"], memo.get("namespace") or None))
+    while not CACHES.synced:
+        await asyncio.sleep(0.1)
+    _RUNNING = asyncio.get_running_loop().create_task(CONTROLLER.run(CACHES.cells, memo.get("namespace") or None))
 
 
 @kopf.on.cleanup()
