@@ -62,6 +62,23 @@ async def login(**kw: Any) -> kopf.AiohttpSession | None:
                                expiration=info.expiration, aiohttp_session=session)
 
 
+class TimerSuccess(logging.Filter):
+    """Drops kopf's "Timer '...' succeeded." lines: each Cell's status refresh is a timer, so at 1,000 Cells and
+    MODELD_STATUS_INTERVAL=5 they were 200 lines a second of the operator's log, saying nothing a failure would not
+    (a failing timer still logs, at WARNING or ERROR, and a refresh that changes something writes the Cell's status
+    and an Event)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        return not (record.levelno == logging.INFO and msg.startswith("Timer ") and msg.endswith(" succeeded."))
+
+
+def quiet_timers() -> None:
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, TimerSuccess) for f in handler.filters):
+            handler.addFilter(TimerSuccess())
+
+
 def tune(settings: kopf.OperatorSettings) -> None:
     """kopf's settings as the operator needs them (tests/unit/test_operator_settings.py)."""
     # A silent watch must not hang the operator (kopf #585, #860): bounded server and client timeouts.
@@ -95,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if SETTINGS.log_format == "json" else kopf.LogFormat.PLAIN,
     )
+    quiet_timers()
     from . import handlers  # noqa: F401  (registers the handlers)
 
     async def lead(stop: asyncio.Event | None = None) -> None:

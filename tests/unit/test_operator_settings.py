@@ -83,3 +83,20 @@ def test_the_operator_logs_in_on_a_bounded_connection_pool(monkeypatch):
 
     out, limit = asyncio.run(login())
     assert out.server == info.server and out.default_namespace == "ns" and limit == SETTINGS.api_connections
+
+
+def test_timer_successes_stay_out_of_the_log_and_everything_else_stays_in():
+    """At 1,000 Cells each one's status timer said "succeeded" every 5 s: 200 log lines a second."""
+    import logging
+
+    from modeld_operator.__main__ import TimerSuccess
+
+    f = TimerSuccess()
+
+    def rec(level: int, msg: str) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", level, __file__, 1, msg, None, None)
+
+    assert not f.filter(rec(logging.INFO, "Timer 'watch_status' succeeded."))
+    assert f.filter(rec(logging.ERROR, "Timer 'watch_status' failed with an exception. Will retry."))
+    assert f.filter(rec(logging.INFO, "Handler 'reconcile' succeeded."))
+    assert f.filter(rec(logging.WARNING, "Timer 'watch_status' succeeded."))
