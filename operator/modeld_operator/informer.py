@@ -236,5 +236,9 @@ class Index:
         values = self._by_key.get(key)
         return list(values.values()) if values is not None else default
 
+    def clear(self) -> None:
+        self._by_key.clear()
+        self._keys_of.clear()
+
     def __len__(self) -> int:
         return len(self._keys_of)

@@ -123,7 +123,7 @@ def certify(
 class Indexes:
     """The indexes a Cell handler reads (indexes.py: ``CACHES``; the bound Sessions from the Session controller's
     cache, session.py)."""
-    nodes: Any                       # each read by .get(key, default) (store()): an informer.Index, or the BoundIndex
+    nodes: Any                       # each an informer.Index, read by .get(key, default) (store())
     pods: Any
     cells: Any
     sessions: Any

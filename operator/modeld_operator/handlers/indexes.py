@@ -112,14 +112,14 @@ SessionKey = tuple[str, str]
 
 class SessionCache:
     """Every Session the operator watches (slim, from its own reflector: informer.py), and two indexes kept with it:
-    the bound ones by (namespace, cell) (a cell's load, and the bindings its status refresh checks) and the keys of
-    those not Bound (what the retry sweep binds again). Changed only on the operator's event loop."""
+    ``bound``, the bound ones by (namespace, cell) (a cell's load, and the bindings its status refresh checks), and
+    ``pending``, the keys of those not Bound (what the retry sweep binds again). Changed only on the operator's event
+    loop."""
 
     def __init__(self) -> None:
         self.objects: dict[SessionKey, dict[str, Any]] = {}
         self.pending: set[SessionKey] = set()
-        self._bound: dict[tuple[str, str], dict[str, BoundSession]] = {}
-        self._cell_of: dict[SessionKey, tuple[str, str]] = {}
+        self.bound = Index()
         self.synced = False           # the first listing is in
 
     @staticmethod
@@ -128,19 +128,20 @@ class SessionCache:
 
     def put(self, obj: dict[str, Any]) -> SessionKey:
         key = self.key(obj)
-        self._unindex(key)
         self.objects[key] = obj
         st = obj["status"]
-        if st.get("phase") == "Bound" and st.get("cell"):
-            where = (key[0], st["cell"])
-            self._bound.setdefault(where, {})[key[1]] = BoundSession(key[1], st.get("endpoint"), st.get("workerInstance"))
-            self._cell_of[key] = where
-        elif not obj["metadata"].get("deletionTimestamp"):
+        bound = st.get("phase") == "Bound" and st.get("cell")
+        self.bound.put(key, {(key[0], st["cell"]): BoundSession(key[1], st.get("endpoint"), st.get("workerInstance"))}
+                       if bound else {})
+        if bound or obj["metadata"].get("deletionTimestamp"):
+            self.pending.discard(key)
+        else:
             self.pending.add(key)
         return key
 
     def remove(self, key: SessionKey) -> dict[str, Any] | None:
-        self._unindex(key)
+        self.pending.discard(key)
+        self.bound.remove(key)
         return self.objects.pop(key, None)
 
     def replace(self, objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -154,37 +155,12 @@ class SessionCache:
         self.synced = True
         return gone
 
-    def _unindex(self, key: SessionKey) -> None:
-        self.pending.discard(key)
-        where = self._cell_of.pop(key, None)
-        if where is not None:
-            on_cell = self._bound.get(where, {})
-            on_cell.pop(key[1], None)
-            if not on_cell:
-                self._bound.pop(where, None)
-
     def clear(self) -> None:
         """Forget everything (the operator stopped leading: a new leader term lists again)."""
         self.objects.clear()
         self.pending.clear()
-        self._bound.clear()
-        self._cell_of.clear()
+        self.bound.clear()
         self.synced = False
-
-    @property
-    def bound(self) -> BoundIndex:
-        return BoundIndex(self._bound)
-
-
-class BoundIndex:
-    """The bound Sessions by (namespace, cell), read as the handlers read a kopf index (``store(index, key)``)."""
-
-    def __init__(self, by_cell: dict[tuple[str, str], dict[str, BoundSession]]) -> None:
-        self._by_cell = by_cell
-
-    def get(self, key: Any, default: Any = None) -> list[BoundSession] | Any:
-        found = self._by_cell.get(key)
-        return list(found.values()) if found is not None else default
 
 
 SESSION_CACHE = SessionCache()
@@ -326,10 +302,8 @@ class Caches:
     def _on_cells_listed(self, items: list[Any]) -> None:
         for ns, name in self.cells.replace(items):
             CELL_CHANGES.forget(ns, name)
-        for (ns, _), entries in items:
-            for key, entry in entries.items():
-                if isinstance(key, tuple):
-                    CELL_CHANGES.saw(ns, entry)
+        for (ns, name), entries in items:
+            CELL_CHANGES.saw(ns, entries[(ns, name)])
 
     def _on_cell(self, kind: str, item: Any) -> None:
         (ns, name), entries = item
