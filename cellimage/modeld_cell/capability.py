@@ -58,6 +58,7 @@ def capability(e: Engine) -> dict:
         "runtime": {"backend": e.identity["backend"], "version": __version__, "torch": torch.__version__,
                     "device": str(e.kv.device), "device_name": device_name(e.kv.device),
                     "runner": e.runner.name, "startup_check": e.startup, "threads": torch.get_num_threads(),
+                    "decode_threads": getattr(e.runner, "decode_threads_report", None),
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
                     "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
                     "prefill_chunk": e.settings.prefill_chunk,

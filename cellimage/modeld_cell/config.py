@@ -52,6 +52,10 @@ class EngineSettings:
     session_store: str = ""                             # MODELD_SESSION_STORE (journal.py); empty: off
     # the CPU cell's weights compute path: auto (measured: autotune.py) or one candidate, e.g. dense-fp32, q4_1-bf16
     weights_path: str = "auto"                          # MODELD_WEIGHTS_PATH
+    # a single-rank CPU cell holds its dense fp32/bf16 layer weights oneDNN-packed (model.RowLinear.pack); 0: plain
+    pack_weights: bool = True                           # MODELD_PACK_WEIGHTS
+    # intra-op threads of a one-session decode step: None measures it at start (runner.choose_decode_threads)
+    decode_threads: int | None = None                   # MODELD_DECODE_THREADS: auto | a count
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -78,6 +82,15 @@ class EngineSettings:
                 setattr(s, attr, f)
         s.session_store = os.environ.get("MODELD_SESSION_STORE", "").strip()
         s.weights_path = os.environ.get("MODELD_WEIGHTS_PATH", "").strip() or "auto"
+        dt = os.environ.get("MODELD_DECODE_THREADS", "auto").strip().lower() or "auto"
+        if dt != "auto":
+            if not dt.isdigit() or int(dt) < 1:
+                raise ValueError(f"MODELD_DECODE_THREADS must be auto or a count >= 1, got {dt!r}")
+            s.decode_threads = int(dt)
+        pack = os.environ.get("MODELD_PACK_WEIGHTS", "1").strip().lower()
+        if pack not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError(f"MODELD_PACK_WEIGHTS must be 1 or 0, got {pack!r}")
+        s.pack_weights = pack in ("1", "true", "yes", "on")
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()
         if mode not in ("auto", "dispatch", "torch"):
             raise ValueError(f"MODELD_DECODE_ATTENTION must be auto, dispatch or torch, got {mode!r}")

@@ -115,6 +115,10 @@ class Engine:
         eng.journal = None          # a smoke's or a test's engine: its sessions are not the cell's to keep
         return eng
 
+    def on_torch_thread(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the torch thread, waited for (start-up work outside the event loop)."""
+        return self._thread.call(fn, *args)
+
     def shutdown(self) -> None:
         """Stop the decode loop and the torch thread (tests, process exit); a driving runner's followers too."""
         self.scheduler.shutdown()

@@ -158,6 +158,22 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
     return dense
 
 
+def pack_and_probe(model: Transformer) -> None:
+    """Pack the model's dense layer weights for oneDNN (model.pack_linears) and probe them: a packed model whose rows
+    are not chunking-invariant on this CPU is unpacked again (and probed as it then is), so packing never costs the
+    bitwise reuse claim; ``model.pack_refused`` then says what the packed probe found."""
+    from .model import pack_linears, unpack_linears
+
+    if not pack_linears(model):
+        return
+    probe_model(model)
+    if model.chunking_probe is not None:
+        model.pack_refused = model.chunking_probe
+        unpack_linears(model)
+        del model.chunking_probe
+        probe_model(model)
+
+
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
                 settings: EngineSettings | None = None,
                 cache_dir: str | None = None) -> tuple[Any, Transformer, str, str, Any]:
@@ -288,6 +304,8 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
     from . import profile_gate
 
     ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers, settings, quality_cache)
+    if rk is None and settings.pack_weights and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu":
+        pack_and_probe(model)        # before the identity: what the layout computes is part of every K/V bit
     runner = None
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,
@@ -319,6 +337,8 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         eng.fp32_weights = lambda: _dense_model(ckpt, cfg, torch.float32, layers, adapter)[0]
     try:
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
+        if rk is None and cfg.backend == "torch":            # on the torch thread: OpenMP counts are per thread
+            eng.on_torch_thread(eng.runner.choose_decode_threads, eng.settings.decode_threads)
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()
         if verdicts is not None:             # measured on the whole model before the ranks cut it

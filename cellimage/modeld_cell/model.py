@@ -211,7 +211,7 @@ ATTN_SEGMENT = 512
 
 
 def _segmented_attention(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float,
-                         seg: int = ATTN_SEGMENT) -> Tensor:
+                         seg: int = ATTN_SEGMENT, row_path: bool = True) -> Tensor:
     """Causal attention of T query rows at positions q0..q0+T-1 over keys 0..q0+T-1, computed so that every row's
     result is bitwise the same whatever the other rows are: a prompt prefilled in one chunk, in chunks cut anywhere
     (after a reused prefix), or token by token (decode) yields the same bits. That is what makes prefix reuse exact
@@ -226,13 +226,17 @@ def _segmented_attention(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float,
     of 1-3 rows takes another GEMM path; tail copies pad it). tests/cell/test_invariance.py checks all of this end
     to end on the real model: a platform where it fails shows up there, not as silent drift.
 
-    q: [T, Hq, D]; k, v: [n, Hkv, D] with n == q0 + T (keys of the new rows included); returns [T, Hq, D].
+    q: [T, Hq, D]; k, v: [n, Hkv, D] with n == q0 + T (keys of the new rows included); returns [T, Hq, D]. One row
+    (a decode step) takes ``_segmented_row``, the same computation in fewer ops (``row_path=False``: this one, which
+    its test compares it with).
     """
     assert _FLASH_CPU is not None
     t, hq, d = q.shape
     n, hkv = k.shape[0], k.shape[1]
     g = hq // hkv
     assert n == q0 + t, (n, q0, t)
+    if t == 1 and row_path:
+        return _segmented_row(q, k, v, q0, scale, seg)
     dev = q.device
     nseg = -(-n // seg)
     qh = q.view(t, hkv, g, d).permute(1, 2, 0, 3)                  # q: [Hkv, G, T, D] (rows of a KV head stacked)
@@ -272,9 +276,8 @@ def _segmented_attention(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float,
             qq, extra = rows_of(r0, r1)
             mask = None
             if masked:
-                pos = torch.arange(q0 + r0, q0 + r1, device=dev)
-                vis = torch.arange(a, b, device=dev)[None, :] <= pos[:, None]               # [R, seg]
-                mask = torch.zeros(vis.shape, dtype=q.dtype, device=dev).masked_fill_(~vis, -math.inf).repeat(g, 1)
+                off = q0 + r0 - a                                    # row r0's offset in the segment
+                mask = _causal_rows(seg, q.dtype, dev)[off : off + r1 - r0].repeat(g, 1)      # [G * R, seg]
                 if extra:
                     mask = torch.cat([mask, mask[-1:].expand(extra, seg)])
                 mask = mask[None, None]
@@ -289,6 +292,65 @@ def _segmented_attention(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float,
         num[:, :, r0:r1].addcmul_(o, w[si, :, :, r0:r1].unsqueeze(-1))
         den[:, :, r0:r1].add_(w[si, :, :, r0:r1])
     return num.div_(den.unsqueeze(-1)).to(q.dtype).permute(2, 0, 1, 3).reshape(t, hq, d)
+
+
+_CAUSAL: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+_ZEROS: dict[tuple[int, int, int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _causal_rows(seg: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[seg, seg] additive mask, row i: 0 for keys 0..i, -inf after (row i of a segment's causal mask; built once per
+    dtype and device, read by slicing: a decode step built it from aranges in six ops per layer)."""
+    key = (seg, dtype, device)
+    if (m := _CAUSAL.get(key)) is None:
+        vis = torch.ones(seg, seg, dtype=torch.bool, device=device).tril()
+        m = _CAUSAL[key] = torch.zeros(seg, seg, dtype=dtype, device=device).masked_fill_(~vis, -math.inf)
+    return m
+
+
+def _zeros(hkv: int, seg: int, d: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A shared, never written [Hkv, seg, D] zero block: the open segment's padding is sliced from it."""
+    key = (hkv, seg, d, dtype, device)
+    if (z := _ZEROS.get(key)) is None:
+        z = _ZEROS[key] = torch.zeros(hkv, seg, d, dtype=dtype, device=device)
+    return z
+
+
+def _segmented_row(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float, seg: int) -> Tensor:
+    """_segmented_attention of one row (a decode step), the same flash calls on the same inputs and the same merge
+    formula in the same order, so the same bits, in about half the ops (no per-part bookkeeping, the mask a slice of
+    the cached causal table, the padding a slice of a cached zero block). q: [1, Hq, D]; k, v: [q0 + 1, Hkv, D]."""
+    _, hq, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    rows = g + (-g) % 4                                               # flash rows per call: a multiple of 4
+    qq = q.view(1, hkv, g, d)
+    if rows > g:
+        qq = torch.cat([qq, qq[:, :, -1:].expand(1, hkv, rows - g, d)], 2)
+    nb, a = q0 // seg, (q0 // seg) * seg
+    outs, lses = [], []
+    if nb:
+        kb = k[:a].view(nb, seg, hkv, d).permute(0, 2, 1, 3)          # [nb, Hkv, seg, D] (strided view)
+        vb = v[:a].view(nb, seg, hkv, d).permute(0, 2, 1, 3)
+        o, lse = _FLASH_CPU(qq.expand(nb, -1, -1, -1), kb, vb, scale=scale)[:2]
+        outs.append(o)
+        lses.append(lse)
+    pad = _zeros(hkv, seg - (n - a), d, q.dtype, q.device)[:, : seg - (n - a)]
+    ks = torch.cat([k[a:].permute(1, 0, 2), pad], 1).unsqueeze(0)     # [1, Hkv, seg, D]: the open segment, padded
+    vs = torch.cat([v[a:].permute(1, 0, 2), pad], 1).unsqueeze(0)
+    mask = _causal_rows(seg, q.dtype, q.device)[q0 - a : q0 - a + 1].expand(rows, seg)[None, None]
+    o, lse = _FLASH_CPU(qq, ks, vs, attn_mask=mask, scale=scale)[:2]
+    outs.append(o)
+    lses.append(lse)
+    o = torch.cat(outs)[:, :, :g] if nb else o[:, :, :g]              # [nseg, Hkv, G, D]
+    lse = torch.cat(lses)[:, :, :g] if nb else lse[:, :, :g]          # [nseg, Hkv, G]
+    w = torch.exp(lse - lse.amax(0))
+    num = torch.zeros(hkv, g, d, dtype=torch.float32, device=q.device)
+    den = torch.zeros(hkv, g, dtype=torch.float32, device=q.device)
+    for si in range(nb + 1):                                          # segment order, as _segmented_attention
+        num.addcmul_(o[si], w[si].unsqueeze(-1))
+        den.add_(w[si])
+    return num.div_(den.unsqueeze(-1)).to(q.dtype).view(1, hq, d)
 
 
 def paged_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -382,15 +444,75 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
 # Modules
 
 
+_PACKABLE = (torch.float32, torch.bfloat16)
+
+
+def can_pack() -> bool:
+    """This torch can multiply by a oneDNN-packed weight (``RowLinear.pack``)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 class RowLinear(nn.Linear):
     """nn.Linear that never multiplies a single row on CPU: BLAS takes a GEMV path for M == 1 whose sums round
     differently from the GEMM a prefill chunk uses, so a decoded token's K/V would differ from the same token's K/V
-    prefilled later. Two rows (the row twice) take the GEMM path; M >= 2 rows are independent of each other."""
+    prefilled later. Two rows (the row twice) take the GEMM path; M >= 2 rows are independent of each other.
+
+    ``pack()`` replaces the weight by oneDNN's blocked copy of it (the layout torch.compile's CPU freezing gives a
+    Linear): a plain weight is reordered into that layout inside every call, measured at 2-3x the multiply itself for
+    a decode step's few rows on cold weights (docs/cell-benchmarks.md). A packed weight's rows are multiplied alone,
+    as the quantized kernels' are: the start-up probe (probe_chunking_invariance) measures that one row gets the bits
+    of a 512-row call, and the loader unpacks when it does not."""
+
+    packed: Tensor | None
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.register_buffer("packed", None, persistent=False)
+
+    def pack(self) -> bool:
+        """Hold the weight packed (and no plain copy); False when it stays plain (not a CPU fp32/bf16 weight)."""
+        w = self.weight
+        if self.packed is not None or w is None or w.device.type != "cpu" or w.dtype not in _PACKABLE:
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 2)
+        self.weight = None                                # type: ignore[assignment]
+        return True
+
+    def unpack(self) -> None:
+        if self.packed is not None:
+            self.weight = nn.Parameter(self.packed.to_dense(), requires_grad=False)
+            self.packed = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] == 1 and x.device.type == "cpu":
-            return super().forward(torch.cat([x, x]))[:1]
-        return super().forward(x)
+        one = x.shape[0] == 1 and x.device.type == "cpu"
+        if one:
+            x = torch.cat([x, x])
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        else:
+            y = super().forward(x)
+        return y[:1] if one else y
+
+
+def pack_linears(model: Transformer) -> int:
+    """Pack every transformer-layer RowLinear of a CPU model (not the head: a tied head is the embedding table, which
+    lookups read plain). Returns how many were packed; the model's ``weights_layout`` then says so."""
+    if not can_pack():
+        return 0
+    n = sum(int(m.pack()) for layer in model.layers for m in layer.modules() if isinstance(m, RowLinear))
+    if n:
+        model.weights_layout = f"{getattr(model, 'weights_layout', 'dense')}; oneDNN-packed: {n}"
+    return n
+
+
+def unpack_linears(model: Transformer) -> None:
+    for m in model.modules():
+        if isinstance(m, RowLinear):
+            m.unpack()
+    layout = getattr(model, "weights_layout", None)
+    if layout is not None and "; oneDNN-packed" in layout:
+        model.weights_layout = layout.split("; oneDNN-packed")[0]
 
 
 class RMSNorm(nn.Module):
@@ -433,6 +555,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos.unsqueeze(1) + rot * sin.unsqueeze(1)).to(x.dtype)
 
 
+def rope_rows(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The RoPE tables of a forward's positions as ``rope_rotate`` takes them: cos [N, 1, D] and the sin with
+    rotate_half's sign folded in ([-sin | sin] halves) [N, 1, D], built once per forward for every layer."""
+    h = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat([-sin[:, :h], sin[:, h:]], -1).unsqueeze(1)
+
+
+def rope_rotate(x: Tensor, cos: Tensor, ssin: Tensor) -> Tensor:
+    """apply_rope in 6 ops instead of 10, the same bits: x * cos + roll(x, D/2) * [-sin | sin] computes
+    x1 * c - x2 * s | x2 * c + x1 * s with the same roundings (a product's sign is exact). x: [N, H, D]."""
+    xf = x.float()
+    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * ssin).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
@@ -443,12 +579,15 @@ class Attention(nn.Module):
         self.wo = RowLinear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Any, meta: AttnMetadata) -> Tensor:
+        """cos, sin: the forward's ``rope_rows``."""
         n = x.shape[0]
         hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.wqkv(x).split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = apply_rope(q.view(n, hq, d), cos, sin)   # q: [N, Hq, D]
-        k = apply_rope(k.view(n, hkv, d), cos, sin)  # k: [N, Hkv, D]
-        v = v.view(n, hkv, d)                        # v: [N, Hkv, D]
+        qkv = self.wqkv(x)
+        qk = rope_rotate(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)   # q and k rotated together
+        q, k = qk[:, :hq], qk[:, hq:]                # q: [N, Hq, D]; k: [N, Hkv, D]
+        if n > 1:
+            q = q.contiguous()
+        v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)  # v: [N, Hkv, D]
         kv.write(self.layer, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv.k_layer(self.layer), kv.v_layer(self.layer), meta,
                             kv.scales_layer(self.layer))
@@ -513,7 +652,7 @@ class Transformer(nn.Module):
                 logits_rows: Tensor | None = None) -> Tensor:
         """tokens, positions: [N] int64. Returns fp32 logits [len(logits_rows) or N, V]."""
         x = self.tok_embeddings(tokens)                  # x: [N, dim]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rope_rows(self.rope_cos[positions], self.rope_sin[positions])
         for layer in self.layers:
             x = layer(x, cos, sin, kv, meta)
         if logits_rows is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,10 @@ class TorchThread:
                     raise
                 cancelled = True
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the thread, from outside an event loop (start-up): waits for it."""
+        return self._executor.submit(fn, *args).result()
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
@@ -70,6 +75,8 @@ class TorchRunner:
         self.decode_kernel = "torch-reference"          # what decode runs, in words (the capability report)
         self._decode_fn: Callable[..., Tensor] | None = None   # a validated dispatch.paged_decode, or None
         self._quant_dispatch = False                    # quantized decode through dispatch.quant_paged_decode on CPU
+        self.decode_threads: int | None = None          # intra-op threads of a one-session decode (None: the process's)
+        self.decode_threads_report: dict[str, Any] | None = None
 
     # the backend's attention for every forward (AttnMetadata.attend); None: model.py's torch paths
     attend: Callable[..., Tensor] | None = None
@@ -138,6 +145,65 @@ class TorchRunner:
             self.decode_kernel = ("torch segmented (model._segmented_attention; chunking-invariant); "
                                   "kernels.dispatch.paged_decode validated but not used on CPU")
 
+    @torch.no_grad()
+    def choose_decode_threads(self, setting: int | None, reps: int = 7, context: int = 64) -> dict[str, Any]:
+        """How many intra-op threads a one-session decode step runs with (call on the torch thread). A decode step
+        is some 3,000 small ops: on a 2-core VM, waking the second OpenMP thread for each cost more than it gave
+        (measured: 68-86 ms a step on one thread against 97-126 ms on two after 1k tokens; even at 4k).
+        ``setting`` (MODELD_DECODE_THREADS) fixes it; None measures it here, on the loaded model: one session of
+        ``context`` tokens in scratch blocks, its next token decoded ``reps`` times at each count alternately (the
+        same position, so the same bits every time), and the faster median wins by 10 %. A count whose logits
+        differ in a single bit from the process count's is never taken (prefill runs at the process count, and exact
+        reuse needs decode == prefill). Batched decode steps keep the process count."""
+        n = torch.get_num_threads()
+        self.decode_threads = None
+        rep: dict[str, Any] = {"threads": n, "process_threads": n}
+        if setting is not None:
+            self.decode_threads = setting if setting != n else None
+            rep.update(threads=setting, reason="MODELD_DECODE_THREADS")
+        elif n == 1 or self.kv.k.device.type != "cpu":
+            rep["reason"] = "one intra-op thread" if n == 1 else "not the CPU"
+        elif self.kv.free_blocks < self.kv.blocks_for(context + 1):
+            rep["reason"] = "not measured: no free KV blocks"
+        else:
+            rep.update(self._measure_decode_threads(n, reps, context))
+        self.decode_threads_report = rep
+        return rep
+
+    def _measure_decode_threads(self, n: int, reps: int, context: int, gap: float = 0.005) -> dict[str, Any]:
+        blocks = self.kv.allocate(self.kv.blocks_for(context + 1))
+        times: dict[int, list[float]] = {n: [], 1: []}
+        first: Tensor | None = None
+        same = True
+        try:
+            toks = [(i * 7919) % self.model.args.vocab_size for i in range(context + 1)]
+            self.prefill(toks[:context], 0, blocks)
+            for _ in range(reps):
+                for th in (n, 1):
+                    time.sleep(gap)          # as between served steps: the scheduler's turn, sampling, the reply
+                    torch.set_num_threads(th)
+                    try:
+                        t0 = time.perf_counter()
+                        logits = self.decode([toks[context]], [context], [blocks])
+                        times[th].append((time.perf_counter() - t0) * 1e3)
+                    finally:
+                        torch.set_num_threads(n)
+                    if first is None:
+                        first = logits
+                    else:
+                        same = same and torch.equal(first, logits)
+        finally:
+            self.kv.free(blocks[::-1])
+        ms = {str(th): round(statistics.median(v[1:] or v), 2) for th, v in times.items()}
+        faster = ms["1"] < 0.9 * ms[str(n)]
+        if faster and same:
+            self.decode_threads = 1
+        reason = ("one thread decodes faster here" if faster and same else
+                  "one thread decodes faster, but its logits differ from the process count's: not taken" if faster
+                  else f"{n} threads decode as fast or faster here")
+        return {"threads": self.decode_threads or n, "median_ms": ms, "bitwise_equal": same, "context": context,
+                "reps": reps, "reason": reason}
+
     def forward(self, tokens: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor | None = None) -> Tensor:
         """One forward of the model over this runner's pool: fp32 logits [len(rows) or N, V] (a pipeline stage runs
         its part of it instead: parallel/pipeline.py)."""
@@ -178,8 +244,16 @@ class TorchRunner:
                             block_size=bs, contiguous=[contig_start(t, n) for t, n in zip(tables, nblks, strict=True)],
                             decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch,
                             attend=self.attend)
-        return self.forward(torch.tensor(toks, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), meta)
+        args = (torch.tensor(toks, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                meta)
+        if self.decode_threads is None or len(toks) > 1:
+            return self.forward(*args)
+        n = torch.get_num_threads()
+        torch.set_num_threads(self.decode_threads)
+        try:
+            return self.forward(*args)
+        finally:
+            torch.set_num_threads(n)
 
 
 def runner_for(backend: str) -> type[TorchRunner]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from modeld_cell.kv_cache import PagedKVCache
-from modeld_cell.model import AttnMetadata, Transformer
+from modeld_cell.model import AttnMetadata, Transformer, rope_rows
 
 from .pool import MirroredLocal
 from .sharded_kv import RankLost, RankRunner
@@ -104,7 +104,7 @@ class PipelineRunner(MirroredLocal, RankRunner):
             self._p2p(k, dist.recv, msg, self.rank - 1)
             t_busy = time.perf_counter()
             x, busy = msg[:-1].view(tokens.shape[0], m.args.dim), float(msg[-1])
-        cos, sin = m.rope_cos[positions], m.rope_sin[positions]
+        cos, sin = rope_rows(m.rope_cos[positions], m.rope_sin[positions])
         for layer in m.layers:
             x = layer(x, cos, sin, self.kv, meta)
         if not last:

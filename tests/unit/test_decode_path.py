@@ -1,0 +1,180 @@
+"""The decode step's cheaper path computes what the general one does (#18): the one-row attention, the cached causal
+mask, oneDNN-packed weights and the decode thread count. Inputs are random tensors and a tiny random model: these
+check mechanisms (the same flash calls on the same inputs give the same bits; a packed model that fails the
+exactness probe is unpacked; the thread choice never takes a count whose logits differ), not speeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from modeld_cell import loader
+from modeld_cell import model as M
+from modeld_cell.config import EngineSettings
+from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.runner import TorchRunner
+
+pytestmark = pytest.mark.unit
+needs_flash = pytest.mark.skipif(M._FLASH_CPU is None, reason="this torch has no CPU flash attention with LSE")
+
+
+@needs_flash
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q0", [0, 1, 7, 31, 32, 33, 63, 64, 100, 127])
+def test_one_row_path_is_the_general_path(dtype: torch.dtype, q0: int) -> None:
+    """_segmented_row makes the flash calls _segmented_attention makes for one row, and merges in the same order:
+    equal bits (seg 32 so that a few rows span several segments, whole and open)."""
+    g = torch.Generator().manual_seed(q0)
+    q = torch.randn(1, 6, 16, generator=g).to(dtype)
+    k = torch.randn(q0 + 1, 2, 16, generator=g).to(dtype)
+    v = torch.randn(q0 + 1, 2, 16, generator=g).to(dtype)
+    fast = M._segmented_attention(q, k, v, q0, 0.25, seg=32)
+    general = M._segmented_attention(q, k, v, q0, 0.25, seg=32, row_path=False)
+    assert fast.shape == general.shape == (1, 6, 16)
+    assert torch.equal(fast, general)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_table_rows_are_the_built_masks(dtype: torch.dtype) -> None:
+    seg = 16
+    table = M._causal_rows(seg, dtype, torch.device("cpu"))
+    assert M._causal_rows(seg, dtype, torch.device("cpu")) is table          # built once
+    for off in range(seg):
+        vis = torch.arange(seg) <= off
+        want = torch.zeros(seg, dtype=dtype).masked_fill_(~vis, -math.inf)
+        assert torch.equal(table[off], want)
+
+
+def _tiny() -> M.Transformer:
+    args = M.ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                       intermediate_size=64, max_seq_len=256)
+    torch.manual_seed(0)
+    return M.Transformer(args)
+
+
+needs_pack = pytest.mark.skipif(not M.can_pack(), reason="this torch has no oneDNN packed linear")
+
+
+@needs_pack
+def test_pack_holds_no_plain_copy_and_unpack_restores_it() -> None:
+    lin = M.RowLinear(32, 48, bias=False)
+    w = lin.weight.detach().clone()
+    x = torch.randn(5, 32)
+    plain = lin(x)
+    assert lin.pack() and lin.weight is None and lin.packed is not None
+    assert not lin.pack()                                    # once
+    torch.testing.assert_close(lin(x), plain)                # the same product (bits may round differently in fp32)
+    assert lin(x[:1]).shape == (1, 48)                       # one row: still multiplied as two
+    lin.unpack()
+    assert lin.packed is None and torch.equal(lin.weight, w)
+
+
+@needs_pack
+def test_pack_linears_names_the_layout_and_leaves_the_head_plain() -> None:
+    m = _tiny()
+    n = M.pack_linears(m)
+    assert n == 2 * 4 and m.weights_layout == "dense; oneDNN-packed: 8"
+    assert m.output.packed is None and m.output.weight is not None             # the head: plain
+    M.unpack_linears(m)
+    assert m.weights_layout == "dense"
+    assert all(lin.packed is None for lin in m.modules() if isinstance(lin, M.RowLinear))
+
+
+@needs_pack
+def test_a_packed_model_that_fails_the_probe_is_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def probe(model: M.Transformer) -> str | None:
+        packed = model.layers[0].attention.wqkv.packed is not None
+        calls.append(packed)
+        return "feed_forward.w2 (torch.float32): rows differ" if packed else None
+
+    monkeypatch.setattr(loader, "probe_chunking_invariance", probe)
+    m = _tiny()
+    loader.pack_and_probe(m)
+    assert calls == [True, False]
+    assert m.pack_refused.startswith("feed_forward.w2") and m.chunking_probe is None
+    assert m.layers[0].attention.wqkv.packed is None and getattr(m, "weights_layout", "dense") == "dense"
+
+
+class _Timed(TorchRunner):
+    """A runner whose decode takes a stated time per thread count and returns stated logits (the choice's logic)."""
+
+    def __init__(self, ms: dict[int, float], logits: dict[int, float]) -> None:
+        m = _tiny()
+        super().__init__(m, PagedKVCache(2, 2, 8, kv_format("fp32"), 1 << 20, 16))
+        self.ms, self.logits = ms, logits
+
+    def prefill(self, *a, **kw):  # type: ignore[no-untyped-def]
+        return torch.zeros(4), 0.0, []
+
+    def decode(self, toks, positions, tables):  # type: ignore[no-untyped-def]
+        import time
+        n = torch.get_num_threads()
+        time.sleep(self.ms[n] / 1e3)
+        return torch.full((1, 4), self.logits[n])
+
+
+@pytest.fixture
+def two_threads():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_decode_threads_takes_one_thread_when_faster_and_equal(two_threads: None) -> None:
+    r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0})
+    rep = r.choose_decode_threads(None, reps=3)
+    assert r.decode_threads == 1 and rep["threads"] == 1 and rep["bitwise_equal"] is True
+    assert float(rep["median_ms"]["1"]) < float(rep["median_ms"]["2"])
+    assert torch.get_num_threads() == 2                      # the process count is restored
+    assert r.kv.used_blocks == 0                             # the scratch blocks went back
+
+
+def test_decode_threads_never_takes_a_count_whose_logits_differ(two_threads: None) -> None:
+    r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.5})
+    rep = r.choose_decode_threads(None, reps=3)
+    assert r.decode_threads is None and rep["threads"] == 2 and rep["bitwise_equal"] is False
+    assert "not taken" in rep["reason"]
+
+
+def test_decode_threads_keeps_the_process_count_when_not_faster(two_threads: None) -> None:
+    r = _Timed({2: 4.0, 1: 12.0}, {2: 1.0, 1: 1.0})
+    assert r.choose_decode_threads(None, reps=3)["threads"] == 2 and r.decode_threads is None
+
+
+def test_decode_threads_setting_wins(two_threads: None) -> None:
+    r = _Timed({2: 4.0, 1: 12.0}, {2: 1.0, 1: 1.0})
+    rep = r.choose_decode_threads(1)
+    assert r.decode_threads == 1 and rep["reason"] == "MODELD_DECODE_THREADS"
+
+
+def test_decode_threads_and_pack_settings_are_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = EngineSettings.from_env()
+    assert s.decode_threads is None and s.pack_weights is True
+    monkeypatch.setenv("MODELD_DECODE_THREADS", "1")
+    monkeypatch.setenv("MODELD_PACK_WEIGHTS", "0")
+    s = EngineSettings.from_env()
+    assert s.decode_threads == 1 and s.pack_weights is False
+    monkeypatch.setenv("MODELD_DECODE_THREADS", "0")
+    with pytest.raises(ValueError, match="MODELD_DECODE_THREADS"):
+        EngineSettings.from_env()
+    monkeypatch.setenv("MODELD_DECODE_THREADS", "auto")
+    monkeypatch.setenv("MODELD_PACK_WEIGHTS", "maybe")
+    with pytest.raises(ValueError, match="MODELD_PACK_WEIGHTS"):
+        EngineSettings.from_env()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_is_apply_rope(dtype: torch.dtype) -> None:
+    """rope_rotate (q and k in one call, the sign folded into the sin table) gives apply_rope's bits."""
+    args = M.ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=4096)
+    ang = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), M.rope_frequencies(args))
+    ang = torch.cat([ang, ang], -1)
+    pos = torch.tensor([0, 1, 17, 511, 4095])
+    x = torch.randn(5, 6, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    cos, ssin = M.rope_rows(ang.cos()[pos], ang.sin()[pos])
+    assert torch.equal(M.rope_rotate(x, cos, ssin), M.apply_rope(x, ang.cos()[pos], ang.sin()[pos]))
