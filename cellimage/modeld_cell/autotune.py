@@ -35,7 +35,7 @@ import torch
 from . import errors
 from .profile_gate import hardware, read_measurement, write_measurement
 
-AUTOTUNE_VERSION = 1
+AUTOTUNE_VERSION = 2                         # 2: dense candidates packed as served; one-row decode attention
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
 
@@ -101,10 +101,11 @@ def _median_ms(fn: Any, reps: int) -> float:
 
 
 def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generator,
-                   head_dense: bool = False) -> tuple[list[Any], Any]:
+                   head_dense: bool = False, pack: bool = False) -> tuple[list[Any], Any]:
     """One layer's four linears and the head, with random weights of the model's shapes, as the cell would run them
-    (``head_dense``: the head stays a dense matmul, as quantize.dense_modules leaves a head the file keeps finer)."""
-    from .model import RowLinear
+    (``head_dense``: the head stays a dense matmul, as quantize.dense_modules leaves a head the file keeps finer;
+    ``pack``: a dense layer linear oneDNN-packed, as loader.pack_and_probe serves it; the head stays plain)."""
+    from .model import RowLinear, can_pack
     from .quantize import quantized_linear
 
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
@@ -116,18 +117,22 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
         dense = kernel == "dense" or (head_dense and i == len(shapes) - 1)
-        mods.append(lin.to(dtype) if dense else quantized_linear(lin, kernel, dtype))
+        mod = lin.to(dtype) if dense else quantized_linear(lin, kernel, dtype)
+        if dense and pack and i < len(shapes) - 1 and can_pack():
+            mod.pack()
+        mods.append(mod)
     return mods[:4], mods[4]
 
 
 @torch.inference_mode()
-def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: bool = False) -> dict[str, Any]:
+def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: bool = False,
+            pack: bool = False) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: one layer's times x layers, plus the head)."""
     from .model import _segmented_attention
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = torch.Generator().manual_seed(0)
-    linears, head = _layer_modules(args, kernel, dtype, g, head_dense)
+    linears, head = _layer_modules(args, kernel, dtype, g, head_dense, pack)
     hq, hkv, d = args.n_heads, args.n_kv_heads, args.head_dim
     scale = 1.0 / math.sqrt(d)
 
@@ -153,16 +158,40 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
             "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1)}
 
 
-def _key(args: Any, cands: list[tuple[str, str]], threads: int, head_dense: bool) -> str:
+# Other processes' busy cores (from /proc/stat, less this process's own CPU time) above which a measurement is used
+# for this start but not cached: one made while a compiler ran beside it ranked the paths by the compiler's load
+MAX_OTHERS_BUSY = 0.25
+
+
+def machine_busy_s() -> float | None:
+    """CPU-seconds the whole machine has spent busy (all cores), from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")        # less idle and iowait
+
+
+def other_busy_cores(busy0: float | None, own0: float, wall0: float) -> float | None:
+    """Cores other processes kept busy since (busy0, own0, wall0) = (machine_busy_s(), time.process_time(),
+    time.monotonic()); None where /proc/stat is not readable."""
+    busy1, wall = machine_busy_s(), time.monotonic() - wall0
+    if busy0 is None or busy1 is None or wall <= 0:
+        return None
+    return max(0.0, (busy1 - busy0 - (time.process_time() - own0)) / wall)
+
+
+def _key(args: Any, cands: list[tuple[str, str]], threads: int, head_dense: bool, pack: bool = False) -> str:
     shapes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                             "intermediate_size", "vocab_size")}
     payload = {"v": AUTOTUNE_VERSION, "hardware": hardware("cpu"), "threads": threads, "shapes": shapes,
-               "candidates": cands, "head_dense": head_dense}
+               "candidates": cands, "head_dense": head_dense, "pack": pack}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto", head_dense: bool = False,
-           kernel_ok: bool = True) -> Choice:
+           kernel_ok: bool = True, pack: bool = False) -> Choice:
     """The compute path for ``profile.weights`` = ``weights`` on this CPU. ``forced`` (MODELD_WEIGHTS_PATH) names
     one candidate (``kernel-dtype``) to take without measuring; one that does not serve ``weights`` here is refused.
     ``head_dense``: a quantized candidate keeps the output head dense (quantize.dense_modules)."""
@@ -179,17 +208,27 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         k, d = cands[0]
         return Choice(k, d, f"profile.weights {weights} pins it", [])
     threads = torch.get_num_threads()
-    key = _key(args, cands, threads, head_dense)
+    key = _key(args, cands, threads, head_dense, pack)
     path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
     rec = read_measurement(path, key, "candidates", list)
     cached = rec is not None
+    contended = ""
     if rec is None:
-        rec = {"key": key, "candidates": [measure(args, k, d, head_dense=head_dense) for k, d in cands],
+        busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.monotonic()
+        rec = {"key": key, "candidates": [measure(args, k, d, head_dense=head_dense, pack=pack) for k, d in cands],
                "threads": threads, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        write_measurement(path, rec)
+        others = other_busy_cores(busy0, own0, wall0)
+        if others is not None:
+            rec["others_busy_cores"] = round(others, 2)
+        if others is not None and others > MAX_OTHERS_BUSY:
+            # measured while other processes took the cores: good for this start only, measured again at the next
+            contended = (f"; measured while other processes kept {others:.2f} cores busy (over {MAX_OTHERS_BUSY}): "
+                         "not cached")
+        else:
+            write_measurement(path, rec)
     rows = rec["candidates"]
     best = min(rows, key=lambda r: r["turn_ms"])
     others = ", ".join(f"{r['name']} {r['turn_ms']} ms" for r in rows if r is not best)
     reason = (f"measured on this CPU ({threads} threads): a {TURN_PREFILL}-token append + {TURN_DECODE} decoded "
-              f"tokens takes {best['turn_ms']} ms ({others})")
+              f"tokens takes {best['turn_ms']} ms ({others}){contended}")
     return Choice(best["kernel"], best["dtype"], reason, rows, cached=cached, key=key)

@@ -153,7 +153,7 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
     # a file that stores a layer's linears in another format than the kernel's: its dense paths only
     kernel_ok = not (dense - {"output"})
     choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head_dense="output" in dense,
-                             kernel_ok=kernel_ok)
+                             kernel_ok=kernel_ok, pack=settings is None or settings.pack_weights)
     cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
     return dense
 

@@ -169,6 +169,7 @@ def test_the_choice_is_the_fastest_turn_and_cached(tmp_path, monkeypatch):
     """The measurement runs once and is written under <cache>/autotune; the choice minimises the turn time. The
     figures are the test's own (written into the measurement), so the choice is known in advance."""
     monkeypatch.setattr(autotune, "bf16_computes", lambda: False)
+    monkeypatch.setattr(autotune, "other_busy_cores", lambda *a: 0.0)     # a quiet machine, whatever runs beside
     first = autotune.choose(TINY, "q4_1", str(tmp_path))
     assert not first.cached and {r["name"] for r in first.candidates} == {"dense-fp32", "q4_1-fp32"}
     for r in first.candidates:
@@ -186,3 +187,25 @@ def test_the_choice_is_the_fastest_turn_and_cached(tmp_path, monkeypatch):
     assert again.cached and again.name == "q4_1-fp32" and "dense-fp32 1020.0 ms" in again.reason
     os.remove(path)
     assert not autotune.choose(TINY, "q4_1", str(tmp_path)).cached
+
+
+def test_a_measurement_made_while_the_machine_was_busy_is_not_cached(tmp_path, monkeypatch):
+    """Other processes' load ranks the paths by their load: such a measurement serves this start only (the reason
+    says so), and the next start measures again."""
+    monkeypatch.setattr(autotune, "bf16_computes", lambda: False)
+    monkeypatch.setattr(autotune, "other_busy_cores", lambda *a: 1.5)
+    first = autotune.choose(TINY, "q4_1", str(tmp_path))
+    assert "1.50 cores busy" in first.reason and "not cached" in first.reason
+    assert not (tmp_path / "autotune" / f"{first.key}.json").exists()
+    assert not autotune.choose(TINY, "q4_1", str(tmp_path)).cached
+
+
+def test_other_busy_cores_leaves_out_this_process(monkeypatch):
+    """(machine busy - own CPU) / wall: 3 CPU-seconds busy on the machine, 1 of them this process's, over 2 s of
+    wall time is 1 core kept busy by others."""
+    import time
+    monkeypatch.setattr(autotune, "machine_busy_s", lambda: 103.0)
+    got = autotune.other_busy_cores(100.0, time.process_time() - 1.0, time.monotonic() - 2.0)
+    assert got == pytest.approx(1.0, abs=0.05)
+    monkeypatch.setattr(autotune, "machine_busy_s", lambda: None)
+    assert autotune.other_busy_cores(100.0, time.process_time(), time.monotonic() - 1.0) is None
