@@ -61,6 +61,8 @@ def capability(e: Engine) -> dict:
                     "decode_threads": getattr(e.runner, "decode_threads_report", None),
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
                     "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
+                    "weights_layout": e.identity.get("weights_kernel"),       # as held: e.g. "dense; oneDNN-packed: 120"
+                    "weights_pack_refused": getattr(e.model, "pack_refused", None),
                     "prefill_chunk": e.settings.prefill_chunk,
                     "max_decode_batch": e.settings.max_decode_batch},
         "model": {"name": e.identity["model_name"], "family": e.identity["model_family"],

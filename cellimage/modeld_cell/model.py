@@ -479,6 +479,12 @@ class RowLinear(nn.Linear):
         self.weight = None                                # type: ignore[assignment]
         return True
 
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        """A packed module's state_dict still holds its ``weight``, plain (a copy out of the packed layout)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            destination[prefix + "weight"] = self.packed.to_dense()
+
     def unpack(self) -> None:
         if self.packed is not None:
             self.weight = nn.Parameter(self.packed.to_dense(), requires_grad=False)

@@ -67,6 +67,7 @@ def test_pack_holds_no_plain_copy_and_unpack_restores_it() -> None:
     assert not lin.pack()                                    # once
     torch.testing.assert_close(lin(x), plain)                # the same product (bits may round differently in fp32)
     assert lin(x[:1]).shape == (1, 48)                       # one row: still multiplied as two
+    assert torch.equal(lin.state_dict()["weight"], w)         # state_dict: the weight, plain
     lin.unpack()
     assert lin.packed is None and torch.equal(lin.weight, w)
 
