@@ -158,9 +158,20 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
             "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1)}
 
 
-# Other processes' busy cores (from /proc/stat, less this process's own CPU time) above which a measurement is used
-# for this start but not cached: one made while a compiler ran beside it ranked the paths by the compiler's load
+# Other processes' busy cores (from /proc/stat, less this process's own CPU time) above which a measurement counts as
+# contended: one made while a compiler ran beside it ranked the paths by the compiler's load. It is cached (a busy
+# node's every start would otherwise measure again) and measured again by the first start that finds the machine
+# quiet (quiet_now)
 MAX_OTHERS_BUSY = 0.25
+QUIET_SAMPLE_S = 0.2
+
+
+def quiet_now(sample_s: float = QUIET_SAMPLE_S) -> bool:
+    """Other processes keep at most MAX_OTHERS_BUSY cores busy over the next ``sample_s`` seconds."""
+    busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.monotonic()
+    time.sleep(sample_s)
+    others = other_busy_cores(busy0, own0, wall0)
+    return others is not None and others <= MAX_OTHERS_BUSY
 
 
 def machine_busy_s() -> float | None:
@@ -211,21 +222,21 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
     key = _key(args, cands, threads, head_dense, pack)
     path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
     rec = read_measurement(path, key, "candidates", list)
+    if rec is not None and (rec.get("others_busy_cores") or 0) > MAX_OTHERS_BUSY and quiet_now():
+        rec = None                   # measured while the machine was busy, and it is quiet now: measure again
     cached = rec is not None
-    contended = ""
     if rec is None:
         busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.monotonic()
         rec = {"key": key, "candidates": [measure(args, k, d, head_dense=head_dense, pack=pack) for k, d in cands],
                "threads": threads, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        others = other_busy_cores(busy0, own0, wall0)
-        if others is not None:
-            rec["others_busy_cores"] = round(others, 2)
-        if others is not None and others > MAX_OTHERS_BUSY:
-            # measured while other processes took the cores: good for this start only, measured again at the next
-            contended = (f"; measured while other processes kept {others:.2f} cores busy (over {MAX_OTHERS_BUSY}): "
-                         "not cached")
-        else:
-            write_measurement(path, rec)
+        busy = other_busy_cores(busy0, own0, wall0)
+        if busy is not None:
+            rec["others_busy_cores"] = round(busy, 2)
+        write_measurement(path, rec)
+    contended = ""
+    if (rec.get("others_busy_cores") or 0) > MAX_OTHERS_BUSY:
+        contended = (f"; measured while other processes kept {rec['others_busy_cores']:.2f} cores busy (over "
+                     f"{MAX_OTHERS_BUSY}): measured again at a start that finds the machine quiet")
     rows = rec["candidates"]
     best = min(rows, key=lambda r: r["turn_ms"])
     others = ", ".join(f"{r['name']} {r['turn_ms']} ms" for r in rows if r is not best)

@@ -189,15 +189,23 @@ def test_the_choice_is_the_fastest_turn_and_cached(tmp_path, monkeypatch):
     assert not autotune.choose(TINY, "q4_1", str(tmp_path)).cached
 
 
-def test_a_measurement_made_while_the_machine_was_busy_is_not_cached(tmp_path, monkeypatch):
-    """Other processes' load ranks the paths by their load: such a measurement serves this start only (the reason
-    says so), and the next start measures again."""
+def test_a_measurement_made_while_the_machine_was_busy_is_measured_again_once_quiet(tmp_path, monkeypatch):
+    """Other processes' load ranks the paths by their load: such a measurement says so, is cached (a busy node's
+    every start would measure again otherwise), and is measured again by the first start that finds the machine
+    quiet."""
     monkeypatch.setattr(autotune, "bf16_computes", lambda: False)
     monkeypatch.setattr(autotune, "other_busy_cores", lambda *a: 1.5)
+    monkeypatch.setattr(autotune, "quiet_now", lambda: False)
     first = autotune.choose(TINY, "q4_1", str(tmp_path))
-    assert "1.50 cores busy" in first.reason and "not cached" in first.reason
-    assert not (tmp_path / "autotune" / f"{first.key}.json").exists()
-    assert not autotune.choose(TINY, "q4_1", str(tmp_path)).cached
+    assert not first.cached and "1.50 cores busy" in first.reason and "machine quiet" in first.reason
+    rec = json.loads((tmp_path / "autotune" / f"{first.key}.json").read_text())
+    assert rec["others_busy_cores"] == 1.5
+    assert autotune.choose(TINY, "q4_1", str(tmp_path)).cached              # still busy: the record serves
+    monkeypatch.setattr(autotune, "quiet_now", lambda: True)
+    monkeypatch.setattr(autotune, "other_busy_cores", lambda *a: 0.0)
+    again = autotune.choose(TINY, "q4_1", str(tmp_path))                    # quiet now: measured again
+    assert not again.cached and "cores busy" not in again.reason
+    assert autotune.choose(TINY, "q4_1", str(tmp_path)).cached
 
 
 def test_other_busy_cores_leaves_out_this_process(monkeypatch):
