@@ -57,21 +57,23 @@ def test_hf_loader_round_trip_gives_same_model(engine, tmp_path):
 
     from safetensors.torch import save_file
 
+    from modeld_cell.model import pack_linears
     from modeld_cell.models import build_model, load_checkpoint
 
     a, m = engine.model.args, engine.model
-    sd = {"model.embed_tokens.weight": m.tok_embeddings.weight, "model.norm.weight": m.norm.weight}
+    own = m.state_dict()              # plain weights, also of layers held oneDNN-packed (model.RowLinear.pack)
+    sd = {"model.embed_tokens.weight": own["tok_embeddings.weight"], "model.norm.weight": own["norm.weight"]}
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    for i, layer in enumerate(m.layers):
-        p = f"model.layers.{i}."
-        wq, wk, wv = layer.attention.wqkv.weight.split([q, kv, kv])
-        gate, up = layer.feed_forward.w13.weight.split(a.intermediate_size)
+    for i in range(a.n_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        wq, wk, wv = own[o + "attention.wqkv.weight"].split([q, kv, kv])
+        gate, up = own[o + "feed_forward.w13.weight"].split(a.intermediate_size)
         sd.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-                   p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.attention.wo.weight,
+                   p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": own[o + "attention.wo.weight"],
                    p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                   p + "mlp.down_proj.weight": layer.feed_forward.w2.weight,
-                   p + "input_layernorm.weight": layer.attention_norm.weight,
-                   p + "post_attention_layernorm.weight": layer.ffn_norm.weight})
+                   p + "mlp.down_proj.weight": own[o + "feed_forward.w2.weight"],
+                   p + "input_layernorm.weight": own[o + "attention_norm.weight"],
+                   p + "post_attention_layernorm.weight": own[o + "ffn_norm.weight"]})
     save_file({k: v.detach().contiguous().clone() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "hidden_size": a.dim, "intermediate_size": a.intermediate_size,
@@ -88,6 +90,8 @@ def test_hf_loader_round_trip_gives_same_model(engine, tmp_path):
     assert ck.tokenizer.eos_token_ids == engine.tokenizer.eos_token_ids
     model2, digest, _ = build_model(ck, torch.float32, use_digest_cache=False)
     assert digest == engine.identity["model_digest"]          # same weights actually loaded -> same digest
+    if "oneDNN-packed" in engine.identity["weights_kernel"]:  # multiplied as the engine multiplies (packed fp32
+        pack_linears(model2)                                  # rounds otherwise than plain: docs/reuse.md)
     ids = engine.tokenizer.encode(text)
 
     class _E:                                                 # full_logits needs .model and .kv
