@@ -18,7 +18,12 @@ kwok pods run no worker, so nothing could answer /readyz or be measured), then
 Figures (stdout and ``--out``): seconds until all Cells were Ready and all Sessions Bound (from the first create),
 binds per second, the operator's peak RSS and CPU seconds in each phase, and the apiserver requests of each phase by
 verb and resource (its own ``apiserver_request_total``, so the benchmark's creates and polls are in it too, listed
-apart). The cluster is taken down at the end. Loopback only; stops by itself (``--timeout`` per phase).
+apart), the CPU seconds each control-plane process used in the phase (etcd, kube-apiserver, the controller manager,
+the scheduler, kwok: on a small machine they share its cores with the operator), and for the Sessions the operator's
+bind count every ~5 s. With ``--sessions-while-stopped``, ``--profile FILE`` records the new operator with py-spy
+(raw, 50 Hz; `pip install py-spy`) and ``--apiserver-pprof FILE`` takes the apiserver's own 60 s CPU profile (Go
+pprof): both slow the run, so their times are not comparable with an unprofiled run's. The cluster is taken down at
+the end. Loopback only; stops by itself (``--timeout`` per phase).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,6 +105,26 @@ class Sampler(threading.Thread):
                 return
 
 
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def control_plane_cpu() -> dict[str, float]:
+    """CPU seconds used so far by each control-plane process of this machine (by its command name), from /proc."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        comm = head.split("(", 1)[1]          # the kernel keeps 15 characters of it
+        name = next((c for c in CONTROL_PLANE if c[:15] == comm), "")
+        if name:
+            fields = rest.split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 REQUEST = re.compile(r'^apiserver_request_total\{(.*)\} (\S+)$')
 
 
@@ -115,6 +141,13 @@ def requests_by_kind(kubectl: str, kubeconfig: Path) -> Counter[str]:
         res = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
         out[f"{labels.get('verb', '?')} {res}"] += int(float(m.group(2)))
     return out
+
+
+def apiserver_profile(kubectl: str, kubeconfig: Path, out: Path) -> None:
+    """The kube-apiserver's own CPU profile for 60 s (its /debug/pprof, on by default), written to ``out``."""
+    raw = subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", "get", "--raw", "/debug/pprof/profile?seconds=60"],
+                         capture_output=True, check=False).stdout
+    out.write_bytes(raw)
 
 
 def diff(after: Counter[str], before: Counter[str]) -> dict[str, int]:
@@ -149,7 +182,7 @@ def count(custom: client.CustomObjectsApi, plural: str, phase: str) -> int | Non
 
 
 def operator_binds() -> float:
-    """The operator's own count of binds (its /metrics), cheap enough to poll every half second."""
+    """The operator's own count of binds (its /metrics), polled every 2 s (its exposition is not free)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     m = re.search(r'^modeld_operator_reconciles_total\{kind="session",result="bound"\} (\S+)$', text, re.M)
@@ -167,6 +200,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
     ap.add_argument("--sessions-while-stopped", action="store_true",
                     help="create the Sessions with the operator stopped, then time a new operator binding them all")
+    ap.add_argument("--profile", type=Path,
+                    help="with --sessions-while-stopped: py-spy record (raw, 50 Hz) of the new operator into this file")
+    ap.add_argument("--apiserver-pprof", type=Path,
+                    help="with --sessions-while-stopped: the apiserver's CPU profile (Go pprof) of the new operator's "
+                         "first 60 s into this file (read it with: go tool pprof -top kube-apiserver FILE)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="modeld-scale-"))
@@ -222,21 +260,35 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
                 stop_operator(op, sampler)
                 created_s = create_all(objs, plural, custom)
                 before = requests_by_kind(kubectl, kubeconfig)
+                cp0 = control_plane_cpu()
                 op, sampler = start_operator(op_env, work / "operator-2.log")
                 t0, cpu0 = time.monotonic(), 0.0
+                if args.profile:
+                    spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(op.pid),
+                                            "--rate", "50", "--format", "raw", "--output", str(args.profile),
+                                            "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                if args.apiserver_pprof:
+                    threading.Thread(target=apiserver_profile, daemon=True,
+                                     args=(kubectl, kubeconfig, args.apiserver_pprof)).start()
                 wait_reachable(op, work / "operator-2.log")
             else:
                 before, cpu0, sampler.peak_rss_mib = requests_by_kind(kubectl, kubeconfig), sampler.cpu_s(), sampler.rss_mib()
+                cp0 = control_plane_cpu()
                 t0 = time.monotonic()
                 created_s = create_all(objs, plural, custom)
-            reached, last_poll = 0, 0.0
+            reached, last_poll, timeline, last_mark = 0, 0.0, [], -5.0
             while True:
                 elapsed = time.monotonic() - t0
                 if elapsed > args.timeout:
                     break
-                if phase == "sessions" and operator_binds() < n:
-                    time.sleep(0.5)
-                    continue
+                if phase == "sessions":
+                    binds = operator_binds()
+                    if elapsed - last_mark >= 5.0:
+                        timeline.append([round(elapsed, 1), int(binds)])
+                        last_mark = elapsed
+                    if binds < n:
+                        time.sleep(2.0)       # its /metrics has 1,000 Cells' series: polled more often, the
+                        continue              # exposition took 9 % of the operator's samples (py-spy)
                 if time.monotonic() - last_poll >= 2.0:
                     seen, last_poll = count(custom, plural, done), time.monotonic()
                     reached = reached if seen is None else seen
@@ -244,16 +296,24 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
                         break
                 time.sleep(0.5)
             took = time.monotonic() - t0
+            if phase == "sessions" and args.profile:
+                spy.send_signal(signal.SIGINT)        # py-spy writes its file on SIGINT
+                spy.wait(30)
             after = requests_by_kind(kubectl, kubeconfig)
+            cp1 = control_plane_cpu()
             result[phase] = {
                 "created_s": round(created_s, 1), "all_done_s": round(took, 1) if reached >= n else None,
                 "timed_from": "the new operator's start (created while it was stopped)" if restart else "the first create",
                 "done": reached, "of": n, "state": done, "per_second": round(reached / took, 1),
                 "operator_peak_rss_mib": round(sampler.peak_rss_mib, 1),
                 "operator_cpu_s": round(sampler.cpu_s() - cpu0, 1),
+                "control_plane_cpu_s": {k: round(cp1[k] - cp0.get(k, 0.0), 1) for k in sorted(cp1)},
                 "apiserver_requests": diff(after, before),
             }
-            print(json.dumps({phase: {k: v for k, v in result[phase].items() if k != "apiserver_requests"}}), flush=True)
+            if timeline:
+                result[phase]["operator_binds_by_second"] = timeline
+            print(json.dumps({phase: {k: v for k, v in result[phase].items()
+                                      if k not in ("apiserver_requests", "operator_binds_by_second")}}), flush=True)
             if reached < n:
                 break
         reqs = result.get("sessions", {}).get("apiserver_requests", {})
