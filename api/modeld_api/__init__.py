@@ -39,6 +39,7 @@ STATUS_NODES_MAX = 32
 # On a cell's pod: a hash of the spec its worker runs, so certification measures only a worker of the spec as it is
 # now, never one of the spec before a change that the Deployment has not replaced yet
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
+ANNOTATION_APPLIED = f"{GROUP}/applied"          # on a Deployment or Service: the hash of the manifest last applied
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Names the apiserver accepts that the operator derives others from (the CRDs' root CEL rules): a Cell's name is a

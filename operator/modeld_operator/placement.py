@@ -223,6 +223,15 @@ def pod_template(name: str, namespace: str, spec: api.CellSpec) -> dict[str, Any
     }
 
 
+def stamp(manifest: dict[str, Any]) -> str:
+    """Put the hash of ``manifest`` (as it is before this call) on it, as the ``modeld.contenox.io/applied``
+    annotation, and return the hash: the live object carries what was last applied to it (handlers/indexes.py:
+    ``Owned``)."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:20]
+    manifest.setdefault("metadata", {}).setdefault("annotations", {})[api.ANNOTATION_APPLIED] = digest
+    return digest
+
+
 def deployment_name(cell: str) -> str:
     return f"cell-{cell}"
 

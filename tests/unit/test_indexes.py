@@ -195,3 +195,46 @@ def test_an_index_replaces_an_objects_entries_whole_and_a_listing_drops_what_it_
     assert [p["metadata"]["name"] for p in idx.get(("cell", "ns", "c"))] == ["q"] and len(idx) == 1
     assert idx.replace([]) == [("ns", "q")]
     assert idx.get(("cell", "ns", "c")) is None and idx.get(("cell", "ns", "c"), []) == []
+
+
+def owned(annotation, managers):
+    return {"metadata": {"namespace": "ns", "name": "cell-a", "annotations": {api.ANNOTATION_APPLIED: annotation},
+                         "managedFields": managers}}
+
+
+OURS = {"manager": "modeld-operator", "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+STATUS = {"manager": "kube-controller-manager", "operation": "Update", "subresource": "status",
+          "fieldsV1": {"f:status": {}}}
+REVISION = {"manager": "kube-controller-manager", "operation": "Update",
+            "fieldsV1": {"f:metadata": {"f:annotations": {"f:deployment.kubernetes.io/revision": {}}}}}
+SCALE = {"manager": "kubectl", "operation": "Update", "subresource": "scale", "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+
+
+def test_an_owned_object_is_unchanged_only_at_the_applied_hash_with_no_other_writer_of_its_spec():
+    """A restart re-applies nothing that is as the manifest says; a changed manifest, a missing object, or one whose
+    spec another writer changed (kubectl scale) is applied again. The controllers' status and revision writes do not
+    count as changes."""
+    from modeld_operator.handlers.indexes import Owned, owned_entry
+
+    cell = api.CellSpec.model_validate(SPEC)
+    manifest = placement.deployment("a", "ns", cell)
+    digest = placement.stamp(manifest)
+    assert manifest["metadata"]["annotations"][api.ANNOTATION_APPLIED] == digest
+    again = placement.deployment("a", "ns", cell)
+    assert placement.stamp(again) == digest                      # the same manifest, the same hash
+    changed = placement.deployment("a", "ns", cell.model_copy(update={"replicas": 2}))
+    assert placement.stamp(changed) != digest
+
+    o = Owned()
+    assert not o.unchanged("deployments", manifest, digest)     # not in the cache: applied
+    o.deployments.put(*owned_entry(owned(digest, [OURS, STATUS, REVISION])))
+    assert o.unchanged("deployments", manifest, digest)
+    assert not o.unchanged("services", manifest, digest)        # the services are apart
+    assert not o.unchanged("deployments", changed, placement.stamp(placement.deployment("a", "ns", cell.model_copy(
+        update={"replicas": 2}))))
+    o.deployments.put(*owned_entry(owned(digest, [OURS, STATUS, SCALE])))
+    assert not o.unchanged("deployments", manifest, digest)     # scaled by hand: the operator's replicas win again
+    o.deployments.put(*owned_entry(owned("older", [OURS])))
+    assert not o.unchanged("deployments", manifest, digest)     # an older operator's manifest
+    o.deployments.remove(("ns", "cell-a"))
+    assert not o.unchanged("deployments", manifest, digest)     # deleted

@@ -302,3 +302,27 @@ def test_normal_events_are_posted_behind_the_binds_in_order_and_a_full_queue_dro
     gate.set()
     assert sink.join(5)
     assert posted == ["0", "1", "2", "3"]
+
+
+def test_events_trickle_while_binds_wait_and_go_at_full_speed_once_none_do(monkeypatch):
+    """While the Session controller still has work queued, the Event poster waits BUSY_GAP_S before each post (the
+    apiserver's time goes to the binds); with nothing queued it does not wait."""
+    from modeld_operator import kube
+
+    posted: list = []
+    waits: list = []
+    monkeypatch.setattr(kube, "post_event", lambda b, type, reason, message: posted.append(message))
+    real_sleep = time.sleep
+    monkeypatch.setattr(kube.time, "sleep",          # the poster's waits are recorded; join's polls really sleep
+                        lambda s: waits.append(s) if s == kube.EventSink.BUSY_GAP_S else real_sleep(s))
+    sink = kube.EventSink(size=10)
+    busy = [True]
+    sink.busy = lambda: busy[0]
+    b = body()
+    sink.post(b, "Normal", "Bound", "a")
+    assert sink.join(5)
+    assert waits == [kube.EventSink.BUSY_GAP_S] and posted == ["a"]
+    busy[0] = False
+    sink.post(b, "Normal", "Bound", "b")
+    assert sink.join(5)
+    assert waits == [kube.EventSink.BUSY_GAP_S] and posted == ["a", "b"]

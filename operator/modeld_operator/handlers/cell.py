@@ -20,6 +20,7 @@ from modeld_operator.handlers.indexes import (  # noqa: F401  (NODES, node_index
     CELL_CHANGES,
     CELLS,
     NODES,
+    OWNED,
     SESSION_CACHE,
     BoundSession,
     CellEntry,
@@ -240,12 +241,16 @@ def reconcile(name: str, namespace: str | None, body: kopf.Body, spec: kopf.Spec
         metrics.RECONCILES.labels("cell", "refused").inc()
         logger.info("cell %s refused: %s", name, "; ".join(u.message() for u in refused))
         return
+    # Applied only when the live object is not as the manifest says (or another writer changed its spec): a restart
+    # re-applied every Cell's two, changing nothing (OWNED says why that mattered)
     manifest = placement.deployment(name, namespace, cell)
     kopf.append_owner_reference(manifest, owner=body)
-    kube.apply_deployment(manifest)
+    if not OWNED.unchanged("deployments", manifest, placement.stamp(manifest)):
+        kube.apply_deployment(manifest)
     svc = placement.service(name, namespace, cell)
     kopf.append_owner_reference(svc, owner=body)
-    kube.apply_service(svc)
+    if not OWNED.unchanged("services", svc, placement.stamp(svc)):
+        kube.apply_service(svc)
     plan = refresh_status(name, namespace, body, cell, idx, kw["patch"])
     metrics.RECONCILES.labels("cell", "ok" if plan.schedulable else "waiting").inc()
     if not plan.schedulable and cell.replicas:

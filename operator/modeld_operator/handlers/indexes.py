@@ -19,7 +19,15 @@ from pydantic import ValidationError
 
 import modeld_api as api
 from modeld_operator import kube, placement
-from modeld_operator.informer import Index, Reflector, custom_lister, node_lister, pod_lister
+from modeld_operator.informer import (
+    Index,
+    Reflector,
+    custom_lister,
+    deployment_lister,
+    node_lister,
+    pod_lister,
+    service_lister,
+)
 from modeld_operator.settings import SETTINGS
 
 log = logging.getLogger("modeld_operator.indexes")
@@ -286,6 +294,40 @@ def indexed(indexer: Any) -> Any:
     return slim
 
 
+def owned_entry(body: dict[str, Any]) -> tuple[tuple[Any, Any], dict[Any, Any]]:
+    """What the operator keeps of a Deployment or Service it applies: the hash of the manifest last applied to it
+    (its ``modeld.contenox.io/applied`` annotation), and whether a writer other than the operator changed its spec
+    since (a ``kubectl scale`` or ``edit``: its managedFields name another manager with a spec field; the
+    controllers' status and revision writes do not count)."""
+    meta = body.get("metadata") or {}
+    foreign = any(
+        m.get("manager") != kube.FIELD_MANAGER and m.get("subresource") != "status"
+        and "f:spec" in (m.get("fieldsV1") or {})
+        for m in meta.get("managedFields") or [])
+    key = (meta.get("namespace"), meta.get("name"))
+    return key, {key: ((meta.get("annotations") or {}).get(api.ANNOTATION_APPLIED), foreign)}
+
+
+class Owned:
+    """The Deployments and Services of the operator (label ``app.kubernetes.io/managed-by=modeld``) as ``owned_entry``
+    reads them, so a Cell's reconcile applies one only when it is not as the manifest says: at a restart every Cell's
+    resume handler re-applied both, 2,000 server-side applies at 1,000 Cells that changed nothing yet cost the
+    apiserver as much as 5,000 status patches (its CPU profile, docs/operator.md "Scale")."""
+
+    def __init__(self) -> None:
+        self.deployments, self.services = Index(), Index()
+
+    def unchanged(self, kind: str, manifest: dict[str, Any], digest: str) -> bool:
+        """The live object is the one ``manifest`` (stamped with ``digest``) would make, as far as the cache knows."""
+        index = self.deployments if kind == "deployments" else self.services
+        meta = manifest["metadata"]
+        found = index.get((meta["namespace"], meta["name"]), [])
+        return bool(found) and found[0] == (digest, False)
+
+
+OWNED = Owned()
+
+
 class Caches:
     """The Cells, the operator's pods and the nodes, each kept by a reflector of its own (informer.py) in an Index the
     handlers read as they read kopf's indexes. Not kopf's indexes: until every object of every indexed kind was
@@ -343,7 +385,8 @@ class Caches:
         """Start the reflectors and wait for each one's first listing."""
         loop = asyncio.get_running_loop()
         self.synced = False
-        listed: dict[str, asyncio.Event] = {k: asyncio.Event() for k in ("cells", "pods", "nodes")}
+        listed: dict[str, asyncio.Event] = {k: asyncio.Event()
+                                            for k in ("cells", "pods", "nodes", "deployments", "services")}
 
         def first(name: str, fn: Any) -> Any:
             def on_list(items: list[Any]) -> None:
@@ -359,6 +402,10 @@ class Caches:
                       first("pods", self._pods_listed), self._on_pod, timeout),
             Reflector("nodes", node_lister(), indexed(node_index),
                       first("nodes", self._on_nodes_listed), self._on_node, timeout),
+            *(Reflector(kind, lister(namespace, f"{api.LABEL_MANAGED_BY}=modeld"), owned_entry,
+                        first(kind, index.replace), _kept(index), timeout)
+              for kind, lister, index in (("deployments", deployment_lister, OWNED.deployments),
+                                          ("services", service_lister, OWNED.services))),
         ]
         for r in self._reflectors:
             r.start(loop)
@@ -375,6 +422,16 @@ class Caches:
             r.stop()
         self._reflectors = []
         self.synced = False
+
+
+def _kept(index: Index) -> Any:
+    def on_event(kind: str, item: Any) -> None:
+        objkey, entries = item
+        if kind == "DELETED":
+            index.remove(objkey)
+        else:
+            index.put(objkey, entries)
+    return on_event
 
 
 CACHES = Caches()

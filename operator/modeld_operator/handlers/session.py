@@ -305,6 +305,7 @@ class SessionController:
         self.cells, self.queue = cells, WorkQueue[SessionKey]()
         self.cache.clear()
         self._pool = concurrent.futures.ThreadPoolExecutor(SETTINGS.bind_workers, thread_name_prefix="bind")
+        kube.EVENTS.busy = lambda: self.queue is not None and len(self.queue) > 0
         reflector = Reflector("sessions", custom_lister("sessions", namespace), slim_session, self.listed, self.event,
                               timeout_s=SETTINGS.watch_server_timeout)
         tasks: list[asyncio.Task[None]] = []
@@ -318,6 +319,7 @@ class SessionController:
             for t in tasks:
                 t.cancel()
             CELL_CHANGES.event = None
+            kube.EVENTS.busy = lambda: False
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
