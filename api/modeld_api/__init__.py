@@ -450,6 +450,9 @@ class CellStatus(_Model):
     conditions: list[Condition] = Field(default_factory=list, description="Served, Scheduled, Ready, Certified.")
 
 
+CANDIDATES_MAX = 32
+
+
 class Candidate(_Model):
     cell: str = Field(description="A Cell the binding considered.")
     chosen: bool = Field(default=False, description="Whether the session was bound to it.")
@@ -470,8 +473,9 @@ class SessionStatus(_Model):
         "condition: Restored (from the cell's session store) or Lost.")
     reason: str | None = Field(default=None, description="Why the session is where it is.")
     candidates: list[Candidate] = Field(
-        default_factory=list, max_length=32,
-        description="Every Cell the last binding considered, with why it was or was not chosen.")
+        default_factory=list, max_length=CANDIDATES_MAX,
+        description="The Cells the last binding considered, best first, with why each was or was not chosen: the "
+                    "chosen one and the next best 7 once bound; up to 32 while pending.")
     conditions: list[Condition] = Field(default_factory=list, description="Bound; Continuity after a worker restart.")
 
 

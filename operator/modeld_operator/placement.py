@@ -364,7 +364,9 @@ def choose_cell(session: api.SessionSpec, cells: list[CellView], require_certifi
     reason = (f"bound to {best.name}: {best.spec.model.family}, {best.spec.contextTier}-token tier, workload "
               f"{api.enum_value(best.spec.workload)}{at}")
     considered.append((best.name, True, reason))
-    considered.sort(key=lambda x: (not x[1], x[0]))
+    # best first: the chosen cell, the others that fit in the order they ranked, then those that did not, by name
+    order = {c.name: i for i, c in enumerate(sorted(candidates, key=rank))}
+    considered.sort(key=lambda x: (not x[1], order.get(x[0], len(order)), x[0]))
     return Fit(best, endpoint, reason, considered=considered)
 
 

@@ -352,3 +352,12 @@ def test_a_host_path_store_is_mounted_or_for_a_local_run_pod_named_directly():
     assert _env(local)["MODELD_SESSION_STORE"] == "/srv/modeld"
     none = _pod()
     assert "volumes" not in none and "MODELD_SESSION_STORE" not in _env(none)
+
+
+def test_the_cells_considered_come_best_first_those_that_fit_in_rank_order_then_the_rest_by_name():
+    """A bound Session lists only the first few (handlers/session.py: BOUND_CANDIDATES): the order must put the
+    runners-up before the cells that did not fit."""
+    cells = [view("z-unfit", family="llama3"), view("busy", sessions=5), view("b-best"), view("a-unfit", tier=2048),
+             view("bigger", tier=32768), view("c-busier", sessions=9)]
+    fit = placement.choose_cell(session(), cells)
+    assert [c for c, _, _ in fit.considered] == ["b-best", "bigger", "busy", "c-busier", "a-unfit", "z-unfit"]

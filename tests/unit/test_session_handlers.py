@@ -326,3 +326,27 @@ def test_events_trickle_while_binds_wait_and_go_at_full_speed_once_none_do(monke
     sink.post(b, "Normal", "Bound", "b")
     assert sink.join(5)
     assert waits == [kube.EventSink.BUSY_GAP_S] and posted == ["a", "b"]
+
+
+def test_a_bound_session_lists_the_chosen_cell_and_the_next_best_and_says_how_many_were_considered(world):
+    """Every Cell of a namespace in every bound Session's status made each bind's write (and its watch event) grow
+    with the namespace; waiting, every cell's reason is listed (up to api.CANDIDATES_MAX)."""
+    entries = [cell_entry(f"c{i:02d}", CELL_SPEC, {"endpoints": [{"pod": f"p{i}", "url": f"{URL}{i}", "ready": True}],
+                                                     "conditions": [{"type": "Certified", "status": "True"}]})
+               for i in range(20)]
+    idx = {"ns": entries, **{("ns", e.name): [e] for e in entries}}
+    assert bind(body(), idx)
+    st = world["statuses"][-1]
+    assert len(st["candidates"]) == session.BOUND_CANDIDATES
+    assert st["candidates"][0]["chosen"] and st["candidates"][0]["cell"] == st["cell"]
+    assert st["candidates"][0]["reason"].endswith(f"the best {session.BOUND_CANDIDATES} of the 20 cells considered are listed")
+    assert not any(c["chosen"] for c in st["candidates"][1:])
+    # none ready: Pending, and every cell says why (up to 32)
+    for e in entries:
+        idx[("ns", e.name)] = [dataclasses.replace(e, ready_endpoints=())]
+    idx["ns"] = [v[0] for k, v in idx.items() if k != "ns"]
+    world["statuses"].clear()
+    session.BINDINGS.forget("ns", "s")                  # another Session, as far as this process knows
+    bind(body(), idx)
+    st = world["statuses"][-1]
+    assert st["phase"] == "Pending" and len(st["candidates"]) == 20
