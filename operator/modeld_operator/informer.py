@@ -95,27 +95,22 @@ def metadata_only(watch: bool) -> dict[str, str]:
     return {"Accept": f"application/json;as={kind};g=meta.k8s.io;v=v1"}
 
 
-def deployment_lister(namespace: str | None, label_selector: str) -> Lister:
-    """The Deployments' metadata (metadata_only)."""
-    def call(**kw: Any) -> Any:
-        apps, headers = kube.apps(), metadata_only(bool(kw.get("watch")))
-        if namespace:
-            return apps.list_namespaced_deployment(namespace, label_selector=label_selector, _preload_content=False,
-                                                   _headers=headers, **kw)
-        return apps.list_deployment_for_all_namespaces(label_selector=label_selector, _preload_content=False,
-                                                       _headers=headers, **kw)
-    return call
+# kind -> (the API group's client, its namespaced list call, its all-namespaces list call)
+_METADATA_LISTS: dict[str, tuple[Callable[[], Any], str, str]] = {
+    "deployments": (kube.apps, "list_namespaced_deployment", "list_deployment_for_all_namespaces"),
+    "services": (kube.core, "list_namespaced_service", "list_service_for_all_namespaces"),
+}
 
 
-def service_lister(namespace: str | None, label_selector: str) -> Lister:
-    """The Services' metadata (metadata_only)."""
+def metadata_lister(kind: str, namespace: str | None, label_selector: str) -> Lister:
+    """The metadata (metadata_only) of one kind of ``_METADATA_LISTS``."""
+    group, namespaced, everywhere = _METADATA_LISTS[kind]
+
     def call(**kw: Any) -> Any:
-        core, headers = kube.core(), metadata_only(bool(kw.get("watch")))
-        if namespace:
-            return core.list_namespaced_service(namespace, label_selector=label_selector, _preload_content=False,
-                                                _headers=headers, **kw)
-        return core.list_service_for_all_namespaces(label_selector=label_selector, _preload_content=False,
-                                                    _headers=headers, **kw)
+        api_, headers = group(), metadata_only(bool(kw.get("watch")))
+        args = (namespace,) if namespace else ()
+        return getattr(api_, namespaced if namespace else everywhere)(
+            *args, label_selector=label_selector, _preload_content=False, _headers=headers, **kw)
     return call
 
 

@@ -23,10 +23,9 @@ from modeld_operator.informer import (
     Index,
     Reflector,
     custom_lister,
-    deployment_lister,
+    metadata_lister,
     node_lister,
     pod_lister,
-    service_lister,
 )
 from modeld_operator.settings import SETTINGS
 
@@ -371,16 +370,6 @@ class Caches:
         self.nodes.put((None, name), entries)
         NODES.saw(entries["all"])
 
-    def _on_pod(self, kind: str, item: Any) -> None:
-        objkey, entries = item
-        if kind == "DELETED":
-            self.pods.remove(objkey)
-        else:
-            self.pods.put(objkey, entries)
-
-    def _pods_listed(self, items: list[Any]) -> None:
-        self.pods.replace(items)
-
     async def start(self, namespace: str | None) -> None:
         """Start the reflectors and wait for each one's first listing."""
         loop = asyncio.get_running_loop()
@@ -399,13 +388,12 @@ class Caches:
             Reflector("cells", custom_lister("cells", namespace), indexed(cell_index),
                       first("cells", self._on_cells_listed), self._on_cell, timeout),
             Reflector("pods", pod_lister(namespace, f"{api.LABEL_MANAGED_BY}=modeld"), indexed(pod_index),
-                      first("pods", self._pods_listed), self._on_pod, timeout),
+                      first("pods", self.pods.replace), _kept(self.pods), timeout),
             Reflector("nodes", node_lister(), indexed(node_index),
                       first("nodes", self._on_nodes_listed), self._on_node, timeout),
-            *(Reflector(kind, lister(namespace, f"{api.LABEL_MANAGED_BY}=modeld"), owned_entry,
+            *(Reflector(kind, metadata_lister(kind, namespace, f"{api.LABEL_MANAGED_BY}=modeld"), owned_entry,
                         first(kind, index.replace), _kept(index), timeout)
-              for kind, lister, index in (("deployments", deployment_lister, OWNED.deployments),
-                                          ("services", service_lister, OWNED.services))),
+              for kind, index in (("deployments", OWNED.deployments), ("services", OWNED.services))),
         ]
         for r in self._reflectors:
             r.start(loop)
@@ -425,6 +413,7 @@ class Caches:
 
 
 def _kept(index: Index) -> Any:
+    """A reflector's event handler that keeps ``index`` as the watch says (no other bookkeeping)."""
     def on_event(kind: str, item: Any) -> None:
         objkey, entries = item
         if kind == "DELETED":
