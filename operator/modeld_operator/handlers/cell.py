@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import kopf
@@ -16,6 +17,7 @@ from modeld_operator.conditions import get_condition, set_condition, spec_errors
 from modeld_operator.conditions import now as conditions_now
 from modeld_operator.handlers.indexes import (  # noqa: F401  (NODES, node_index: re-exported for their tests)
     BINDINGS,
+    BINDS,
     CACHES,
     CELL_CHANGES,
     CELLS,
@@ -89,9 +91,10 @@ def worker_refusal(code: int, body: Any) -> str | None:
 def certify(
     name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, endpoints: list[api.Endpoint],
     idx: Indexes, old: dict[str, Any] | None,
-) -> tuple[dict[str, Any] | None, certification.Verdict | None]:
+) -> tuple[dict[str, Any] | None, certification.Verdict | None, str | None]:
     """Read what certification.next_step needs (from the indexes), call it, act on its Step. Returns the
-    status.certification to store and the Certified condition (None: leave both as they are). ``endpoints``: those
+    status.certification to store, the Certified condition (None: leave both as they are) and the certification Job
+    whose pods it read (None: none). ``endpoints``: those
     of pods running the spec as it is now (a changed spec's old pod is still ready until the Deployment replaces
     it: measured, it would certify the old spec under the new key)."""
     ready = [e for e in endpoints if e.ready and e.url]
@@ -117,7 +120,7 @@ def certify(
     # The step asks for the Job until its pod is indexed (a second or so, a refresh each): one Event, at its creation
     if step.event is not None and (created or step.job is None):
         kopf.event(body, type="Normal", reason=step.event[0], message=step.event[1])
-    return step.cert, step.verdict
+    return step.cert, step.verdict, job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +152,50 @@ def planned(namespace: str, name: str, spec: api.CellSpec, idx: Indexes) -> plac
     return plan
 
 
+@dataclasses.dataclass(frozen=True)
+class Refreshed:
+    """What a Cell's last whole refresh read (``inputs``), when, the certification Job whose pods it read, and the
+    count of bound Sessions its status holds."""
+    at: float
+    inputs: tuple[Any, ...]
+    job: str | None
+    sessions: int | None
+
+
+# A timer refresh that reads what the last one read derives the same status, Events and releases, so it stops there:
+# at 1,000 Cells kopf's timers make 200 refreshes a second, and nearly all find nothing new. A Cell is refreshed whole
+# at least every FULL_REFRESH_S all the same, so an input this misses cannot keep a status stale for longer.
+FULL_REFRESH_S = 60.0
+_REFRESHED: dict[tuple[str, str], Refreshed] = {}
+
+
+def _inputs(body: kopf.Body, spec: api.CellSpec, idx: Indexes, namespace: str, pods: list[Any],
+            endpoints: list[api.Endpoint], bound: list[BoundSession], job: str | None) -> tuple[Any, ...] | None:
+    """Everything a refresh derives from but the count of bound Sessions (None: not known well enough to skip one).
+    The Cell itself by its resourceVersion (spec, status, annotations); the nodes by what placement reads of them; its
+    pods and their endpoints (a worker's /readyz answer included when probed); the workers its Sessions are bound to
+    (a Session bound to a live worker is not sent back, so more of them change only the count); the baseline Cell;
+    the pods of the certification Job the last refresh read."""
+    rv = (body.get("metadata") or {}).get("resourceVersion")
+    if rv is None:
+        return None
+    baseline = store(idx.cells, (namespace, spec.baseline)) if spec.baseline else None
+    job_pods = store(idx.pods, ("job", namespace, job)) if job else None
+    return (rv, NODES.version, pods, endpoints, frozenset((s.endpoint, s.instance) for s in bound), baseline,
+            job_pods)
+
+
 def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpec, idx: Indexes,
-                   patch: kopf.Patch | None = None) -> placement.Placement:
+                   patch: kopf.Patch | None = None, clock: Any = time.monotonic) -> placement.Placement:
     """Derive the Cell's status from nodes, pods and bound sessions (all from the indexes: no list call) and its
     workers; patch it if anything changed: into kopf's ``patch`` when given (a reconcile handler's: it goes out with
     kopf's own annotations; written apart, its watch event reached kopf before them and kopf ran the create handler
     again on it), else at once (the timer). Sessions bound to a worker that is gone, not ready or replaced are sent
-    back to be rebound."""
+    back to be rebound.
+
+    The timer's refresh stops early when it reads what the last one read (``_inputs``), and, while Sessions wait in
+    the bind queue, when only the count of bound Sessions changed: that count is written once the queue is empty
+    (at 10,000 Sessions those writes were a tenth of the apiserver's status patches while binds waited)."""
     plan = planned(namespace, name, spec, idx)
     pods = store(idx.pods, ("cell", namespace, name))
     endpoints: list[api.Endpoint] = []
@@ -166,6 +206,12 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         if why:
             unschedulable.append(why)
     bound = store(idx.sessions, (namespace, name))
+    key, now = (namespace, name), clock()
+    last = _REFRESHED.get(key)
+    if patch is None and last is not None and now - last.at < FULL_REFRESH_S:
+        inputs = _inputs(body, spec, idx, namespace, pods, endpoints, bound, last.job)
+        if inputs is not None and inputs == last.inputs and (last.sessions == len(bound) or BINDS.waiting()):
+            return plan
     release_lost(namespace, name, bound, endpoints)
     ready = cellstatus.ready_pods(endpoints)
     sessions = len(bound)
@@ -182,9 +228,9 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
     conditions, changed_sched = set_condition(conditions, "Scheduled", sched[0], sched[1], sched[2], generation)
     conditions, changed_ready = set_condition(conditions, "Ready", ready_cond[0], ready_cond[1], ready_cond[2], generation)
     current = {p["metadata"]["name"] for p in pods if runs_spec(p, spec)}
-    cert, verdict = (certify(name, namespace, body, spec, [e for e in endpoints if e.pod in current], idx,
-                             old.get("certification"))
-                     if d.served[0] else (old.get("certification"), None))
+    cert, verdict, job = (certify(name, namespace, body, spec, [e for e in endpoints if e.pod in current], idx,
+                                  old.get("certification"))
+                          if d.served[0] else (old.get("certification"), None, None))
     changed_cert = False
     if not d.served[0]:
         conditions, changed_cert = set_condition(conditions, "Certified", False, "NotServed", d.served[2], generation)
@@ -206,11 +252,17 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         certification=api.Certification.model_validate(cert) if cert else None,
         conditions=[api.Condition.model_validate(c) for c in conditions],
     ).model_dump(mode="json", exclude_none=True)
-    if status != {k: v for k, v in old.items() if k in status}:
+    held = {k: v for k, v in old.items() if k in status}
+    if status != held and BINDS.waiting() and {k: v for k, v in status.items() if k != "sessions"} == {
+            k: v for k, v in held.items() if k != "sessions"}:
+        status = held                # only the count changed, and binds wait: written once they are done
+    if status != held:
         if patch is not None:
             patch["status"] = status
         else:
             kube.patch_status("cells", namespace, name, status)
+    _REFRESHED[key] = Refreshed(now, _inputs(body, spec, idx, namespace, pods, endpoints, bound, job) or (),
+                                job, status.get("sessions"))
     if changed_served and not d.served[0]:
         kopf.event(body, type="Warning", reason=d.served[1], message=d.served[2][:1000])
     if changed_sched and d.served[0]:
@@ -296,6 +348,7 @@ def release_sessions(name: str, namespace: str | None, **kw: Any) -> None:
     """The Deployment goes with its owner; sessions bound here go back to Pending and get rebound."""
     namespace = kube.namespaced(namespace)
     _PLANS.pop((namespace, name), None)
+    _REFRESHED.pop((namespace, name), None)
     CELL_CHANGES.forget(namespace, name)
     metrics.forget_cell(namespace, name)
     # the index, and the apiserver (one list per deleted Cell, by the selectable field status.cell): a session whose

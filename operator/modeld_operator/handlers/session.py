@@ -17,6 +17,7 @@ from modeld_operator import kube, metrics, placement
 from modeld_operator.conditions import now, set_condition, spec_errors
 from modeld_operator.handlers.indexes import (
     BINDINGS,
+    BINDS,
     CACHES,
     CELL_CHANGES,
     SESSION_CACHE,
@@ -316,7 +317,7 @@ class SessionController:
         self.cells, self.queue = cells, WorkQueue[SessionKey]()
         self.cache.clear()
         self._pool = concurrent.futures.ThreadPoolExecutor(SETTINGS.bind_workers, thread_name_prefix="bind")
-        kube.EVENTS.busy = lambda: self.queue is not None and len(self.queue) > 0
+        kube.EVENTS.busy = BINDS.waiting = lambda: self.queue is not None and len(self.queue) > 0
         reflector = Reflector("sessions", custom_lister("sessions", namespace), slim_session, self.listed, self.event,
                               timeout_s=SETTINGS.watch_server_timeout)
         tasks: list[asyncio.Task[None]] = []
@@ -330,7 +331,7 @@ class SessionController:
             for t in tasks:
                 t.cancel()
             CELL_CHANGES.event = None
-            kube.EVENTS.busy = lambda: False
+            kube.EVENTS.busy = BINDS.waiting = lambda: False
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
