@@ -29,6 +29,7 @@ the end. Loopback only; stops by itself (``--timeout`` per phase).
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import platform
@@ -165,20 +166,35 @@ def create_all(objs: list[dict[str, Any]], plural: str, custom: client.CustomObj
     return time.monotonic() - t0
 
 
-def count(custom: client.CustomObjectsApi, plural: str, phase: str) -> int | None:
+def count(custom: client.CustomObjectsApi, plural: str, phase: str, stamps: list[str] | None = None) -> int | None:
     """Objects in ``phase``, listed 500 at a time (one 10,000-item list is 11 MB the apiserver must build at once);
-    None when the apiserver did not answer (an overloaded one times out: asked again at the next poll)."""
-    n, token = 0, None
+    None when the apiserver did not answer (an overloaded one times out: asked again at the next poll). ``stamps``
+    gets each counted object's ``status.boundAt``."""
+    n, token, seen = 0, None, []
     try:
         while True:
             page = custom.list_cluster_custom_object(GROUP, VERSION, plural, limit=500, _continue=token,
                                                      _request_timeout=60)
-            n += sum(1 for o in page["items"] if (o.get("status") or {}).get("phase") == phase)
+            for o in page["items"]:
+                if (o.get("status") or {}).get("phase") == phase:
+                    n += 1
+                    seen.append(o["status"].get("boundAt") or "")
             token = page["metadata"].get("continue")
             if not token:
+                if stamps is not None:
+                    stamps[:] = seen
                 return n
     except (client.exceptions.ApiException, OSError, urllib3.exceptions.HTTPError):
         return None
+
+
+def last_bind_s(stamps: list[str], t0_wall: float) -> float | None:
+    """Seconds from ``t0_wall`` to the last bind, by the latest ``status.boundAt`` (the operator's clock, this
+    machine's; whole seconds, so its second's end is taken: an upper bound). None if any lacks one."""
+    if not stamps or not all(stamps):
+        return None
+    last = max(dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc) for s in stamps)
+    return round(last.timestamp() + 1.0 - t0_wall, 1)
 
 
 def operator_binds() -> float:
@@ -262,7 +278,7 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
                 before = requests_by_kind(kubectl, kubeconfig)
                 cp0 = control_plane_cpu()
                 op, sampler = start_operator(op_env, work / "operator-2.log")
-                t0, cpu0 = time.monotonic(), 0.0
+                t0, t0_wall, cpu0 = time.monotonic(), time.time(), 0.0
                 if args.profile:
                     spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(op.pid),
                                             "--rate", "50", "--format", "raw", "--output", str(args.profile),
@@ -274,9 +290,9 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
             else:
                 before, cpu0, sampler.peak_rss_mib = requests_by_kind(kubectl, kubeconfig), sampler.cpu_s(), sampler.rss_mib()
                 cp0 = control_plane_cpu()
-                t0 = time.monotonic()
+                t0, t0_wall = time.monotonic(), time.time()
                 created_s = create_all(objs, plural, custom)
-            reached, last_poll, timeline, last_mark = 0, 0.0, [], -5.0
+            reached, last_poll, timeline, last_mark, stamps = 0, 0.0, [], -5.0, []
             while True:
                 elapsed = time.monotonic() - t0
                 if elapsed > args.timeout:
@@ -290,7 +306,7 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
                         time.sleep(2.0)       # its /metrics has 1,000 Cells' series: polled more often, the
                         continue              # exposition took 9 % of the operator's samples (py-spy)
                 if time.monotonic() - last_poll >= 2.0:
-                    seen, last_poll = count(custom, plural, done), time.monotonic()
+                    seen, last_poll = count(custom, plural, done, stamps), time.monotonic()
                     reached = reached if seen is None else seen
                     if reached >= n:
                         break
@@ -310,6 +326,10 @@ def run(args: argparse.Namespace, work: Path, cluster_up_s: float) -> None:
                 "control_plane_cpu_s": {k: round(cp1[k] - cp0.get(k, 0.0), 1) for k in sorted(cp1)},
                 "apiserver_requests": diff(after, before),
             }
+            if phase == "sessions" and reached >= n:
+                # all_done_s is when the benchmark's list saw every one Bound, seconds after the last bind on a busy
+                # apiserver; this is when the last bind was made (its status.boundAt)
+                result[phase]["last_bind_s"] = last_bind_s(stamps, t0_wall)
             if timeline:
                 result[phase]["operator_binds_by_second"] = timeline
             print(json.dumps({phase: {k: v for k, v in result[phase].items()
