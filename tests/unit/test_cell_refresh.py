@@ -58,6 +58,7 @@ class World:
         self.sent_back: list[str] = []
         monkeypatch.setattr(cell_handlers, "send_back", lambda ns, name, reason, message: self.sent_back.append(name))
         monkeypatch.setattr(cell_handlers, "_PLANS", {})
+        monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
         monkeypatch.setattr(cell_handlers, "_REFRESHED", {})
         monkeypatch.setattr(BINDS, "waiting", lambda: self.waiting)
         self.set_pod(ready=True)

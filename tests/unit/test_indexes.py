@@ -86,6 +86,7 @@ def test_a_binding_is_alive_while_its_endpoint_is_ready_and_the_same_process():
 
 def test_a_cells_status_names_at_most_a_few_fitting_nodes_and_counts_them_all(monkeypatch):
     monkeypatch.setattr(cell_handlers, "_PLANS", {})
+    monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
     monkeypatch.setattr(cell_handlers.kube, "patch_status", lambda *a: None)
     monkeypatch.setattr(cell_handlers.kopf, "event", lambda *a, **kw: None)
     nodes = [placement.NodeView(f"n{i:03d}", {api.LABEL_INTERCONNECT: "none"}, 0, True) for i in range(500)]
@@ -101,6 +102,7 @@ def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatc
     real = placement.place
     monkeypatch.setattr(placement, "place", lambda spec, nodes: calls.append(len(nodes)) or real(spec, nodes))
     monkeypatch.setattr(cell_handlers, "_PLANS", {})
+    monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
     node = placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)
     nodes = {"all": [node]}
     idx = cell_handlers.Indexes(nodes, {}, {}, {})  # type: ignore[arg-type]
@@ -115,6 +117,24 @@ def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatc
     assert len(calls) == 3                                                              # one joined
     cell_handlers.planned("ns", "c", spec.model_copy(update={"contextTier": 4096}), idx)
     assert len(calls) == 4                                                              # the spec changed
+
+
+def test_cells_of_one_spec_share_one_placement_until_a_node_changes(monkeypatch):
+    calls = []
+    real = placement.place
+    monkeypatch.setattr(placement, "place", lambda spec, nodes: calls.append(len(nodes)) or real(spec, nodes))
+    monkeypatch.setattr(cell_handlers, "_PLANS", {})
+    monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
+    idx = cell_handlers.Indexes({"all": [placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)]}, {}, {}, {})  # type: ignore[arg-type]
+    spec = api.CellSpec.model_validate(SPEC)
+    plans = [cell_handlers.planned(ns, f"c{i}", spec, idx) for ns in ("a", "b") for i in range(3)]
+    assert len(calls) == 1 and all(p is plans[0] for p in plans)          # six Cells, one spec: placed once
+    other = cell_handlers.planned("a", "d", spec.model_copy(update={"contextTier": 4096}), idx)
+    assert len(calls) == 2 and other is not plans[0]                       # another spec is placed for itself
+    cell_handlers.NODES.saw(placement.NodeView("n-shared", {}, 0, True))   # a node changed: placed again
+    assert cell_handlers.planned("b", "c0", spec, idx) is not plans[0] and len(calls) == 3
+    assert cell_handlers.planned("a", "c0", spec, idx) is cell_handlers.planned("b", "c0", spec, idx) and len(calls) == 3
+    assert len(cell_handlers._SHARED_PLANS) == 1                           # the older version's plans were let go
 
 
 def test_a_bind_made_here_is_not_made_again_from_an_older_body():
@@ -153,6 +173,7 @@ def test_certification_measures_only_a_worker_of_the_spec_as_it_is_now(monkeypat
     monkeypatch.setattr(cell_handlers.kube, "http_json", lambda *a: (200, {"ready": True, "instance": "i1"}))
     monkeypatch.setattr(cell_handlers.kopf, "event", lambda body, type, reason, message: events.append(reason))
     monkeypatch.setattr(cell_handlers, "_PLANS", {})
+    monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
     old_spec = api.CellSpec.model_validate(SPEC)
     spec = api.CellSpec.model_validate({**SPEC, "kvMemoryMiB": 96})
 

@@ -138,6 +138,11 @@ class Indexes:
 
 
 _PLANS: dict[tuple[str, str], tuple[tuple[int, int], str, placement.Placement]] = {}
+# The same placement for every Cell of the same spec over the same nodes (place is a pure function of the two): an
+# operator's start reconciled 1,000 Cells of one spec, placing each over 500 nodes, a tenth of its CPU in its first
+# 25 s (py-spy). Emptied whenever the nodes changed, and kept to SHARED_PLANS_MAX specs.
+_SHARED_PLANS: dict[str, tuple[tuple[int, int], placement.Placement]] = {}
+SHARED_PLANS_MAX = 256
 
 
 def planned(namespace: str, name: str, spec: api.CellSpec, idx: Indexes) -> placement.Placement:
@@ -147,7 +152,14 @@ def planned(namespace: str, name: str, spec: api.CellSpec, idx: Indexes) -> plac
     hit = _PLANS.get((namespace, name))
     if hit is not None and hit[0] == seen and hit[1] == key:
         return hit[2]
-    plan = placement.place(spec, nodes)
+    shared = _SHARED_PLANS.get(key)
+    if shared is not None and shared[0] == seen:
+        plan = shared[1]
+    else:
+        plan = placement.place(spec, nodes)
+        if len(_SHARED_PLANS) >= SHARED_PLANS_MAX or any(v[0] != seen for v in _SHARED_PLANS.values()):
+            _SHARED_PLANS.clear()
+        _SHARED_PLANS[key] = (seen, plan)
     _PLANS[(namespace, name)] = (seen, key, plan)
     return plan
 
