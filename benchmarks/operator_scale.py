@@ -16,7 +16,9 @@ kwok pods run no worker, so nothing could answer /readyz or be measured), then
    leader change) until all are Bound, with no client creating anything meanwhile: the operator's own bind rate.
 
 Figures (stdout and ``--out``): seconds until all Cells were Ready and all Sessions Bound (from the first create),
-binds per second, the operator's peak RSS and CPU seconds in each phase, and the apiserver requests of each phase by
+binds per second, for the Sessions when the last bind was made (``last_bind_s``: the latest ``status.boundAt``,
+written by the operator from this machine's clock, rounded up to its second's end; the list that confirms them all
+comes seconds later on a busy apiserver), the operator's peak RSS and CPU seconds in each phase, and the apiserver requests of each phase by
 verb and resource (its own ``apiserver_request_total``, so the benchmark's creates and polls are in it too, listed
 apart), the CPU seconds each control-plane process used in the phase (etcd, kube-apiserver, the controller manager,
 the scheduler, kwok: on a small machine they share its cores with the operator), and for the Sessions the operator's
