@@ -157,3 +157,21 @@ def test_a_reconcile_refreshes_whole_every_time(monkeypatch):
         patch: dict[str, Any] = {}
         cell_handlers.refresh_status("c", "ns", w.body, w.spec, idx, patch, clock=lambda: w.now)  # type: ignore[arg-type]
     assert w.derived == 3
+
+
+def test_a_queue_that_never_empties_holds_the_count_at_most_full_refresh_interval(monkeypatch):
+    w = World(monkeypatch)
+    w.refresh()
+    w.refresh()
+    w.waiting = True
+    for n in range(1, 13):                        # a new bind every refresh, 5 s apart, the queue never empty
+        w.bind(n)
+        w.refresh()
+    assert len(w.patches) == 1                    # held since the first of them, 55 s ago
+    w.bind(13)
+    w.refresh()                                   # 60 s: written all the same
+    assert len(w.patches) == 2 and w.body["status"]["sessions"] == 13
+    w.bind(14)
+    w.refresh()
+    w.refresh()
+    assert len(w.patches) == 2                    # and held again from there

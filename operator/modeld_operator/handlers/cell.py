@@ -166,12 +166,13 @@ def planned(namespace: str, name: str, spec: api.CellSpec, idx: Indexes) -> plac
 
 @dataclasses.dataclass(frozen=True)
 class Refreshed:
-    """What a Cell's last whole refresh read (``inputs``), when, the certification Job whose pods it read, and the
-    count of bound Sessions its status holds."""
+    """What a Cell's last whole refresh read (``inputs``), when, the certification Job whose pods it read, the count
+    of bound Sessions its status holds, and since when a newer count is held back (None: none is)."""
     at: float
     inputs: tuple[Any, ...]
     job: str | None
     sessions: int | None
+    held_since: float | None = None
 
 
 # A timer refresh that reads what the last one read derives the same status, Events and releases, so it stops there:
@@ -222,8 +223,14 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
     last = _REFRESHED.get(key)
     if patch is None and last is not None and now - last.at < FULL_REFRESH_S:
         inputs = _inputs(body, spec, idx, namespace, pods, endpoints, bound, last.job)
-        if inputs is not None and inputs == last.inputs and (last.sessions == len(bound) or BINDS.waiting()):
-            return plan
+        if inputs is not None and inputs == last.inputs:
+            if last.sessions == len(bound):
+                return plan
+            since = last.held_since if last.held_since is not None else now
+            if BINDS.waiting() and now - since < FULL_REFRESH_S:      # only the count changed: held (below)
+                if last.held_since is None:
+                    _REFRESHED[key] = dataclasses.replace(last, held_since=now)
+                return plan
     release_lost(namespace, name, bound, endpoints)
     ready = cellstatus.ready_pods(endpoints)
     sessions = len(bound)
@@ -264,17 +271,23 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         certification=api.Certification.model_validate(cert) if cert else None,
         conditions=[api.Condition.model_validate(c) for c in conditions],
     ).model_dump(mode="json", exclude_none=True)
-    held = {k: v for k, v in old.items() if k in status}
+    held, held_since = {k: v for k, v in old.items() if k in status}, None
     if status != held and BINDS.waiting() and {k: v for k, v in status.items() if k != "sessions"} == {
             k: v for k, v in held.items() if k != "sessions"}:
-        status = held                # only the count changed, and binds wait: written once they are done
+        # only the count changed, and binds wait: written once they are done, or once it has waited FULL_REFRESH_S
+        # (a queue that never empties cannot hold it for ever)
+        held_since = last.held_since if last is not None and last.held_since is not None else now
+        if now - held_since < FULL_REFRESH_S:
+            status = held
+        else:
+            held_since = None
     if status != held:
         if patch is not None:
             patch["status"] = status
         else:
             kube.patch_status("cells", namespace, name, status)
     _REFRESHED[key] = Refreshed(now, _inputs(body, spec, idx, namespace, pods, endpoints, bound, job) or (),
-                                job, status.get("sessions"))
+                                job, status.get("sessions"), held_since if status is held else None)
     if changed_served and not d.served[0]:
         kopf.event(body, type="Warning", reason=d.served[1], message=d.served[2][:1000])
     if changed_sched and d.served[0]:
