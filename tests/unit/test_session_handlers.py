@@ -404,3 +404,41 @@ def test_stopping_a_reflector_ends_its_blocked_watch_at_once():
     finally:
         hold.set()
         server.shutdown()
+
+
+def test_the_sessions_list_as_the_caches_start_and_binding_takes_that_listing(monkeypatch):
+    """begin() (indexes.STARTING) starts the one Session reflector; run() binds from it and ends it when stopped."""
+    started: list = []
+
+    class FakeReflector:
+        def __init__(self, name, lister, slim, on_list, on_event, timeout_s=0) -> None:
+            self.on_list, self.stopped = on_list, False
+            started.append(self)
+
+        def start(self, loop) -> None:
+            loop.call_soon(self.on_list, [indexes.slim_session(body())])
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    monkeypatch.setattr(session, "Reflector", FakeReflector)
+    assert session.CONTROLLER.begin in indexes.STARTING
+
+    async def scenario() -> None:
+        cache = indexes.SessionCache()
+        c, done = controller(monkeypatch, cache)
+        c.begin(None)
+        await asyncio.sleep(0.05)
+        assert cache.synced and len(c.queue) == 1 and done == []    # listed and queued; nothing bound before run
+        task = asyncio.get_running_loop().create_task(c.run({}, None))
+        for _ in range(100):
+            if done:
+                break
+            await asyncio.sleep(0.01)
+        assert done == [("bind", "s")] and len(started) == 1          # run took begin's listing: one reflector
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert started[0].stopped and c._reflector is None
+
+    asyncio.run(scenario())

@@ -409,6 +409,8 @@ class Caches:
         ]
         for r in self._reflectors:
             r.start(loop)
+        for begin in STARTING:
+            begin(namespace)
         for name, event in listed.items():
             while not event.is_set():
                 try:
@@ -436,6 +438,9 @@ def _kept(index: Index) -> Any:
 
 
 CACHES = Caches()
+# Called with the namespace as the caches start their reflectors, before their first listings are in: the Session
+# controller (session.py) starts listing the Sessions then, alongside.
+STARTING: list[Any] = []
 
 
 @kopf.on.startup()
