@@ -151,6 +151,18 @@ def post_event(body: Any, type: str, reason: str, message: str) -> None:
         pass
 
 
+class BindBacklog:
+    """Whether Sessions wait in the bind queue (``waiting``, set by the Session controller while it runs). What only
+    reports on binds (a Normal Event, a Cell's count of bound Sessions) waits behind them: the apiserver's time goes
+    to the binds first."""
+
+    def __init__(self) -> None:
+        self.waiting: Callable[[], bool] = lambda: False
+
+
+BINDS = BindBacklog()
+
+
 class EventSink:
     """Normal Events posted behind the work they report, as client-go's recorder posts every Event: from a queue, by
     a thread of their own, so a burst of binds is not slowed by an Event each (at 10,000 Sessions the Event was half
@@ -164,9 +176,9 @@ class EventSink:
         self._queue: queue.Queue[tuple[dict[str, Any], str, str, str]] = queue.Queue(maxsize=size)
         self._thread: threading.Thread | None = None
         self._guard = threading.Lock()
-        # Whether work the Events report on is still queued (the Session controller sets it): the Events then trickle
-        # (a restart at 10,000 Sessions posted 2,600 of them while binds waited), and go at full speed once it is done
-        self.busy: Callable[[], bool] = lambda: False
+        # Whether work the Events report on is still queued (BINDS): the Events then trickle (a restart at 10,000
+        # Sessions posted 2,600 of them while binds waited), and go at full speed once it is done
+        self.busy: Callable[[], bool] = lambda: BINDS.waiting()
 
     def post(self, body: Any, type: str, reason: str, message: str) -> None:
         meta = body.get("metadata") or {}

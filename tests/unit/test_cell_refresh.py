@@ -11,7 +11,7 @@ import pytest
 import modeld_api as api
 from modeld_operator import cellstatus, placement
 from modeld_operator.handlers import cell as cell_handlers
-from modeld_operator.handlers.indexes import BINDS, NODES, BoundSession, pod_index
+from modeld_operator.handlers.indexes import NODES, BoundSession, pod_index
 
 pytestmark = pytest.mark.unit
 
@@ -60,7 +60,7 @@ class World:
         monkeypatch.setattr(cell_handlers, "_PLANS", {})
         monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
         monkeypatch.setattr(cell_handlers, "_REFRESHED", {})
-        monkeypatch.setattr(BINDS, "waiting", lambda: self.waiting)
+        monkeypatch.setattr(cell_handlers.kube.BINDS, "waiting", lambda: self.waiting)
         self.set_pod(ready=True)
         node = placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)
         self.nodes = {"all": [node], ("node", "n1"): [node]}

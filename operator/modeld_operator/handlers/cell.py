@@ -17,7 +17,6 @@ from modeld_operator.conditions import get_condition, set_condition, spec_errors
 from modeld_operator.conditions import now as conditions_now
 from modeld_operator.handlers.indexes import (  # noqa: F401  (NODES, node_index: re-exported for their tests)
     BINDINGS,
-    BINDS,
     CACHES,
     CELL_CHANGES,
     CELLS,
@@ -175,6 +174,11 @@ class Refreshed:
     held_since: float | None = None
 
 
+def _held_from(last: Refreshed | None, now: float) -> float:
+    """Since when a newer count is held back, if it is held from ``now`` on."""
+    return last.held_since if last is not None and last.held_since is not None else now
+
+
 # A timer refresh that reads what the last one read derives the same status, Events and releases, so it stops there:
 # at 1,000 Cells kopf's timers make 200 refreshes a second, and nearly all find nothing new. A Cell is refreshed whole
 # at least every FULL_REFRESH_S all the same, so an input this misses cannot keep a status stale for longer.
@@ -226,8 +230,7 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         if inputs is not None and inputs == last.inputs:
             if last.sessions == len(bound):
                 return plan
-            since = last.held_since if last.held_since is not None else now
-            if BINDS.waiting() and now - since < FULL_REFRESH_S:      # only the count changed: held (below)
+            if kube.BINDS.waiting() and now - _held_from(last, now) < FULL_REFRESH_S:   # the count alone: held
                 if last.held_since is None:
                     _REFRESHED[key] = dataclasses.replace(last, held_since=now)
                 return plan
@@ -272,11 +275,11 @@ def refresh_status(name: str, namespace: str, body: kopf.Body, spec: api.CellSpe
         conditions=[api.Condition.model_validate(c) for c in conditions],
     ).model_dump(mode="json", exclude_none=True)
     held, held_since = {k: v for k, v in old.items() if k in status}, None
-    if status != held and BINDS.waiting() and {k: v for k, v in status.items() if k != "sessions"} == {
+    if status != held and kube.BINDS.waiting() and {k: v for k, v in status.items() if k != "sessions"} == {
             k: v for k, v in held.items() if k != "sessions"}:
         # only the count changed, and binds wait: written once they are done, or once it has waited FULL_REFRESH_S
         # (a queue that never empties cannot hold it for ever)
-        held_since = last.held_since if last is not None and last.held_since is not None else now
+        held_since = _held_from(last, now)
         if now - held_since < FULL_REFRESH_S:
             status = held
         else:

@@ -173,18 +173,6 @@ class SessionCache:
 SESSION_CACHE = SessionCache()
 
 
-class BindBacklog:
-    """Whether Sessions wait in the bind queue (``waiting``, set by the Session controller while it runs). What only
-    reports on binds (a Normal Event, a Cell's count of bound Sessions) waits behind them: the apiserver's time goes
-    to the binds first."""
-
-    def __init__(self) -> None:
-        self.waiting: Any = lambda: False
-
-
-BINDS = BindBacklog()
-
-
 def alive(session: BoundSession, endpoints: list[api.Endpoint]) -> bool:
     """The session's endpoint is ready and still the worker process it was bound to (a new /readyz instance: the
     process was replaced, and the session must be asked for again)."""

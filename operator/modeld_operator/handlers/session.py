@@ -17,7 +17,6 @@ from modeld_operator import kube, metrics, placement
 from modeld_operator.conditions import now, set_condition, spec_errors
 from modeld_operator.handlers.indexes import (
     BINDINGS,
-    BINDS,
     CACHES,
     CELL_CHANGES,
     SESSION_CACHE,
@@ -340,7 +339,7 @@ class SessionController:
         if self._reflector is None:
             self.begin(namespace)
         self.cells = cells
-        kube.EVENTS.busy = BINDS.waiting = lambda: self.queue is not None and len(self.queue) > 0
+        kube.BINDS.waiting = lambda: self.queue is not None and len(self.queue) > 0
         tasks: list[asyncio.Task[None]] = []
         try:
             tasks = [loop.create_task(self._worker()) for _ in range(SETTINGS.bind_workers)]
@@ -351,7 +350,7 @@ class SessionController:
             for t in tasks:
                 t.cancel()
             CELL_CHANGES.event = None
-            kube.EVENTS.busy = BINDS.waiting = lambda: False
+            kube.BINDS.waiting = lambda: False
 
 
 CONTROLLER = SessionController()
