@@ -97,12 +97,18 @@ def test_a_cells_status_names_at_most_a_few_fitting_nodes_and_counts_them_all(mo
     assert patch["status"]["nodeCount"] == 500 and patch["status"]["nodes"] == [f"n{i:03d}" for i in range(api.STATUS_NODES_MAX)]
 
 
-def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatch):
-    calls = []
+def placements(monkeypatch) -> list[int]:
+    """Empty plan caches, and the node count of each placement.place call made from here on."""
+    calls: list[int] = []
     real = placement.place
     monkeypatch.setattr(placement, "place", lambda spec, nodes: calls.append(len(nodes)) or real(spec, nodes))
     monkeypatch.setattr(cell_handlers, "_PLANS", {})
     monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
+    return calls
+
+
+def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatch):
+    calls = placements(monkeypatch)
     node = placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)
     nodes = {"all": [node]}
     idx = cell_handlers.Indexes(nodes, {}, {}, {})  # type: ignore[arg-type]
@@ -120,11 +126,7 @@ def test_placement_is_recomputed_only_when_a_node_or_the_spec_changed(monkeypatc
 
 
 def test_cells_of_one_spec_share_one_placement_until_a_node_changes(monkeypatch):
-    calls = []
-    real = placement.place
-    monkeypatch.setattr(placement, "place", lambda spec, nodes: calls.append(len(nodes)) or real(spec, nodes))
-    monkeypatch.setattr(cell_handlers, "_PLANS", {})
-    monkeypatch.setattr(cell_handlers, "_SHARED_PLANS", {})
+    calls = placements(monkeypatch)
     idx = cell_handlers.Indexes({"all": [placement.NodeView("n1", {"kubernetes.io/os": "linux"}, 0, True)]}, {}, {}, {})  # type: ignore[arg-type]
     spec = api.CellSpec.model_validate(SPEC)
     plans = [cell_handlers.planned(ns, f"c{i}", spec, idx) for ns in ("a", "b") for i in range(3)]
