@@ -118,7 +118,7 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
             lin.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
         dense = kernel == "dense" or (head_dense and i == len(shapes) - 1)
         mod = lin.to(dtype) if dense else quantized_linear(lin, kernel, dtype)
-        if dense and pack and i < len(shapes) - 1 and can_pack():
+        if dense and pack and i < len(shapes) - 1 and can_pack(dtype):
             mod.pack()
         mods.append(mod)
     return mods[:4], mods[4]

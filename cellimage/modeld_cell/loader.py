@@ -161,10 +161,15 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
 def pack_and_probe(model: Transformer) -> None:
     """Pack the model's dense layer weights for oneDNN (model.pack_linears) and probe them: a packed model whose rows
     are not chunking-invariant on this CPU is unpacked again (and probed as it then is), so packing never costs the
-    bitwise reuse claim; ``model.pack_refused`` then says what the packed probe found."""
-    from .model import pack_linears, unpack_linears
+    bitwise reuse claim; ``model.pack_refused`` then says what the packed probe found, or why oneDNN could not pack
+    the model's dtype on this CPU (model.pack_refused: bf16 without AVX-512)."""
+    from .model import RowLinear, pack_linears, pack_refused, unpack_linears
 
     if not pack_linears(model):
+        dense = any(isinstance(m, RowLinear) and m.weight is not None for layer in model.layers
+                    for m in layer.modules())
+        if dense and (why := pack_refused(model.compute_dtype)) is not None:
+            model.pack_refused = why
         return
     probe_model(model)
     if model.chunking_probe is not None:

@@ -447,10 +447,35 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
-def can_pack() -> bool:
-    """This torch can multiply by a oneDNN-packed weight (``RowLinear.pack``)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+_PACK_REFUSED: dict[torch.dtype, str | None] = {}
+
+
+def pack_refused(dtype: torch.dtype) -> str | None:
+    """Why this torch on this CPU cannot multiply ``dtype`` by a oneDNN-packed weight (``RowLinear.pack``), or None
+    when it can. Tried once per dtype on a small weight, not read off a CPU flag: oneDNN packs bf16 only with
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and says so by raising (an AVX2-only CPU, such as a VM that hides its
+    AVX-512)."""
+    if dtype not in _PACK_REFUSED:
+        why: str | None = None
+        if dtype not in _PACKABLE:
+            why = f"{dtype}: oneDNN packing is tried for fp32 and bf16 only"
+        elif not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                  and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            why = "this torch has no oneDNN packed linear"
+        else:
+            try:
+                w = torch.ones(16, 16, dtype=dtype)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
+                torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), packed, None, "none", [], "")
+            except RuntimeError as e:
+                why = f"{str(dtype).removeprefix('torch.')}: oneDNN cannot pack on this CPU ({str(e).splitlines()[0]})"
+        _PACK_REFUSED[dtype] = why
+    return _PACK_REFUSED[dtype]
+
+
+def can_pack(dtype: torch.dtype = torch.float32) -> bool:
+    """This torch, on this CPU, can multiply ``dtype`` by a oneDNN-packed weight (``RowLinear.pack``)."""
+    return pack_refused(dtype) is None
 
 
 class RowLinear(nn.Linear):
@@ -473,7 +498,7 @@ class RowLinear(nn.Linear):
     def pack(self) -> bool:
         """Hold the weight packed (and no plain copy); False when it stays plain (not a CPU fp32/bf16 weight)."""
         w = self.weight
-        if self.packed is not None or w is None or w.device.type != "cpu" or w.dtype not in _PACKABLE:
+        if self.packed is not None or w is None or w.device.type != "cpu" or not can_pack(w.dtype):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 2)
         self.weight = None                                # type: ignore[assignment]
@@ -504,7 +529,7 @@ class RowLinear(nn.Linear):
 def pack_linears(model: Transformer) -> int:
     """Pack every transformer-layer RowLinear of a CPU model (not the head: a tied head is the embedding table, which
     lookups read plain). Returns how many were packed; the model's ``weights_layout`` then says so."""
-    if not can_pack():
+    if not can_pack(model.compute_dtype):
         return 0
     n = sum(int(m.pack()) for layer in model.layers for m in layer.modules() if isinstance(m, RowLinear))
     if n:

@@ -54,7 +54,7 @@ def _tiny() -> M.Transformer:
     return M.Transformer(args)
 
 
-needs_pack = pytest.mark.skipif(not M.can_pack(), reason="this torch has no oneDNN packed linear")
+needs_pack = pytest.mark.skipif(not M.can_pack(torch.float32), reason=str(M.pack_refused(torch.float32)))
 
 
 @needs_pack
@@ -81,6 +81,30 @@ def test_pack_linears_names_the_layout_and_leaves_the_head_plain() -> None:
     M.unpack_linears(m)
     assert m.weights_layout == "dense"
     assert all(lin.packed is None for lin in m.modules() if isinstance(lin, M.RowLinear))
+
+
+def test_a_dtype_onednn_refuses_is_tried_once_and_stays_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT and raises otherwise: the refusal is measured once per
+    dtype, the model stays plain (no crash at load), and pack_and_probe says why (the capability report's
+    ``weights_pack_refused``)."""
+    calls = []
+
+    def refuse(w: torch.Tensor, batch: int) -> torch.Tensor:
+        calls.append(w.dtype)
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert\nmore")
+
+    monkeypatch.setattr(M, "_PACK_REFUSED", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    why = M.pack_refused(torch.bfloat16)
+    assert why == ("bfloat16: oneDNN cannot pack on this CPU (mkldnn_reorder_linear_weight: bf16 path needs the cpu "
+                   "support avx_ne_convert)")
+    m = _tiny().to(torch.bfloat16)
+    assert not m.layers[0].attention.wqkv.pack() and m.layers[0].attention.wqkv.weight is not None
+    loader.pack_and_probe(m)
+    assert calls == [torch.bfloat16]                          # measured once, then read
+    assert m.pack_refused == why and getattr(m, "weights_layout", "dense") == "dense"
+    assert all(lin.packed is None for lin in m.modules() if isinstance(lin, M.RowLinear))
+    assert M.pack_refused(torch.float16) == "torch.float16: oneDNN packing is tried for fp32 and bf16 only"
 
 
 @needs_pack
