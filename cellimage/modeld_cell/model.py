@@ -654,7 +654,11 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # on the meta device (models.build_model) an init makes no values: skipping it skips torch's Python meta
+        # kernel for normal_, whose first call imports dynamo, inductor and sympy (7.6 s a process on a 2-core VM)
+        meta = torch.empty(0).device.type == "meta"
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
+                                           _weight=torch.empty(args.vocab_size, args.dim) if meta else None)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = RowLinear(args.dim, args.vocab_size, bias=False)

@@ -193,7 +193,7 @@ def test_measurement_is_cached_by_hardware_and_weights(make_engine, tmp_path, mo
     lenient = profile_gate.verdict(e, "int8", str(tmp_path), {**quality.PROFILE_THRESHOLDS["int8"],
                                                                "greedy_agreement_min": 0.85}, hw=hw)
     assert lenient.cached and lenient.passed and len(calls) == 1
-    other_cpu = profile_gate.verdict(e, "int8", str(tmp_path), hw={**hw, "isa_flags": ["avx2"]})
+    other_cpu = profile_gate.verdict(e, "int8", str(tmp_path), hw={**hw, "name": f"not {hw['name']}"})
     assert not other_cpu.cached and other_cpu.key != first.key and len(calls) == 2
     other_weights = make_engine(kv="int8", identity={"model_digest": "sha256:" + "0" * 64})
     assert not profile_gate.verdict(other_weights, "int8", str(tmp_path), hw=hw).cached and len(calls) == 3

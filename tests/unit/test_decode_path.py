@@ -6,6 +6,10 @@ exactness probe is unpacked; the thread choice never takes a count whose logits 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from modeld_cell import model as M
 from modeld_cell.config import EngineSettings
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 from modeld_cell.runner import TorchRunner
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.unit
 needs_flash = pytest.mark.skipif(M._FLASH_CPU is None, reason="this torch has no CPU flash attention with LSE")
@@ -203,3 +209,27 @@ def test_fused_rope_is_apply_rope(dtype: torch.dtype) -> None:
     x = torch.randn(5, 6, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     cos, ssin = M.rope_rows(ang.cos()[pos], ang.sin()[pos])
     assert torch.equal(M.rope_rotate(x, cos, ssin), M.apply_rope(x, ang.cos()[pos], ang.sin()[pos]))
+
+
+def test_a_model_built_on_meta_materialises_without_torchs_meta_kernels() -> None:
+    """models.materialize (and the meta-built embedding, which skips its init): no dynamo, inductor or sympy import
+    at a model build (seconds a process), tied weights still one tensor, every tensor on the CPU with its shape."""
+    code = """
+import sys, torch
+from modeld_cell import model as M
+from modeld_cell.models import materialize
+args = M.ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=64,
+                   max_seq_len=256, tie_embeddings=True)
+with torch.device("meta"):
+    m = M.Transformer(args)
+materialize(m, "cpu")
+assert m.output.weight is m.tok_embeddings.weight
+assert all(t.device.type == "cpu" for t in [*m.parameters(), *m.buffers()])
+assert m.layers[1].feed_forward.w13.weight.shape == (128, 32) and m.rope_cos.shape == (0,)
+print(sorted(x for x in ("torch._dynamo", "torch._inductor", "sympy") if x in sys.modules))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "cellimage"),
+                                                                         os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"

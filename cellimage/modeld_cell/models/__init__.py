@@ -76,6 +76,22 @@ def source_key(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def materialize(model: torch.nn.Module, device: str | torch.device) -> None:
+    """``model.to_empty(device)`` for a model built on the meta device, without torch's meta kernels: to_empty runs
+    ``empty_like`` on each meta tensor through torch's Python references, whose first call imports dynamo, inductor
+    and sympy (3.5 s a process on a 2-core VM, paid by every worker and rank at start). Tied parameters stay tied."""
+    made: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+                    made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if wrap else new
+                table[name] = made[id(t)]
+
+
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu",
                 use_digest_cache: bool = True, layers: int | None = None) -> tuple[Transformer, str, str]:
     """Returns (model in eval mode, weights digest "sha256:...", source sha256 of the file). ``layers``: only the
@@ -95,7 +111,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device
     with torch.device("meta"):
         model = Transformer(args)
     # materialise on the real device (uninitialised); load_hf_state_dict then replaces every parameter
-    model = model.to_empty(device=device)
+    materialize(model, device)
     model.init_rope()
     model.load_hf_state_dict(tensors, dtype)
     model.eval()
