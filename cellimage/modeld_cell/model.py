@@ -458,7 +458,7 @@ def pack_refused(dtype: torch.dtype) -> str | None:
     if dtype not in _PACK_REFUSED:
         why: str | None = None
         if dtype not in _PACKABLE:
-            why = f"{dtype}: oneDNN packing is tried for fp32 and bf16 only"
+            why = f"{str(dtype).removeprefix('torch.')}: oneDNN packing is tried for fp32 and bf16 only"
         elif not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                   and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
             why = "this torch has no oneDNN packed linear"

@@ -110,7 +110,7 @@ def test_a_dtype_onednn_refuses_is_tried_once_and_stays_plain(monkeypatch: pytes
     assert calls == [torch.bfloat16]                          # measured once, then read
     assert m.pack_refused == why and getattr(m, "weights_layout", "dense") == "dense"
     assert all(lin.packed is None for lin in m.modules() if isinstance(lin, M.RowLinear))
-    assert M.pack_refused(torch.float16) == "torch.float16: oneDNN packing is tried for fp32 and bf16 only"
+    assert M.pack_refused(torch.float16) == "float16: oneDNN packing is tried for fp32 and bf16 only"
 
 
 @needs_pack
