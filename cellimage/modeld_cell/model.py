@@ -656,7 +656,7 @@ class Transformer(nn.Module):
         self.args = args
         # on the meta device (models.build_model) an init makes no values: skipping it skips torch's Python meta
         # kernel for normal_, whose first call imports dynamo, inductor and sympy (7.6 s a process on a 2-core VM)
-        meta = torch.empty(0).device.type == "meta"
+        meta = torch.get_default_device().type == "meta"
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
                                            _weight=torch.empty(args.vocab_size, args.dim) if meta else None)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
