@@ -36,12 +36,12 @@ from load_worker import start_worker  # noqa: E402  (the same worker start as th
 def tokenizer_dir(dest: Path) -> Path:
     """The model's tokenizer as an HF tokenizer directory (guidellm sizes its synthetic prompts with it), written from
     the GGUF the worker serves: nothing is fetched from a hub."""
-    from gguf import GGUFReader
-
     from modeld_cell.models.fetch import ensure_smollm2
+    from modeld_cell.models.gguf_file import GGUFFile
     from modeld_cell.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf_reader(GGUFReader(str(ensure_smollm2())))
+    with GGUFFile(ensure_smollm2()) as f:
+        tok = Tokenizer.from_gguf_fields(f.fields)
     dest.mkdir(parents=True, exist_ok=True)
     tok._tok.save(str(dest / "tokenizer.json"))
     name = tok._tok.id_to_token

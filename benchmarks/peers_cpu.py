@@ -366,10 +366,10 @@ def _kv_default() -> str:
 
 
 def tokenize(model: str) -> tuple[list[int], object]:
-    import gguf
-
+    from modeld_cell.models.gguf_file import GGUFFile
     from modeld_cell.tokenizer import Tokenizer
-    tok = Tokenizer.from_gguf_reader(gguf.GGUFReader(model))
+    with GGUFFile(model) as f:
+        tok = Tokenizer.from_gguf_fields(f.fields)
     return tok.encode(corpus_text()), tok
 
 

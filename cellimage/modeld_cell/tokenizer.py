@@ -79,10 +79,11 @@ class Tokenizer:
     # ---- construction
 
     @classmethod
-    def from_gguf_reader(cls, reader: Any) -> Tokenizer:
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+        """From a GGUF file's metadata (``models.gguf_file.GGUFFile.fields``)."""
         def get(key: str, default: Any = None) -> Any:
-            f = reader.fields.get(key)
-            return default if f is None else f.contents()
+            v = fields.get(key)
+            return default if v is None else v
 
         kind = get("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
-import numpy as np
 import torch
 
 from modeld_cell.model import ModelArgs
 from modeld_cell.tokenizer import Tokenizer
 
 from . import Checkpoint
+from .gguf_file import GGUFFile
 
 PERMUTED_ARCHS = ("llama", "mistral")   # architectures whose Q/K rows llama.cpp permutes
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
@@ -53,14 +54,12 @@ def reverse_permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    v = reader.fields.get(key)
+    return default if v is None else v
 
 
-def read_hparams(reader) -> ModelArgs:
+def read_hparams(reader: GGUFFile) -> ModelArgs:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
@@ -79,7 +78,7 @@ def read_hparams(reader) -> ModelArgs:
                    or dim // n_heads)
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.fields["tokenizer.ggml.tokens"])
     scaling = None
     stype = _field(reader, f"{arch}.rope.scaling.type")
     if stype not in (None, "none"):
@@ -110,32 +109,27 @@ def _hf_name(name: str) -> str | None:
 
 def load_gguf(path: str | os.PathLike) -> Checkpoint:
     """Read hparams, tokenizer and all tensors (dequantized to fp32, HF names, Q/K un-permuted)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(path))
-    args = read_hparams(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    qtypes: dict[str, int] = {}
-    stored: dict[str, str] = {}                                          # HF name -> the file's type (Q4_1, ...)
-    for t in reader.tensors:
-        hf = _hf_name(t.name)
-        if hf is None:
-            raise ValueError(f"GGUF tensor {t.name!r} has no place in the {args.arch} model")
-        arr = dequantize(t.data, t.tensor_type)                      # numpy fp32, shape = reversed(t.shape)
-        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: the reader memory-maps the file
-        expect = tuple(int(x) for x in reversed(t.shape))
-        w = w.reshape(expect)
-        if args.arch in PERMUTED_ARCHS:
-            if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
-                w = reverse_permute_qk(w, args.n_heads)
-            elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
-                w = reverse_permute_qk(w, args.n_kv_heads)
-        tensors[hf] = w
-        qtypes[t.tensor_type.name] = qtypes.get(t.tensor_type.name, 0) + 1
-        stored[hf] = t.tensor_type.name
-    tok = Tokenizer.from_gguf_reader(reader)
-    name = _field(reader, "general.name") or os.path.basename(str(path))
+    with GGUFFile(path) as reader:
+        args = read_hparams(reader)
+        tensors: dict[str, torch.Tensor] = {}
+        qtypes: dict[str, int] = {}
+        stored: dict[str, str] = {}                                      # HF name -> the file's type (Q4_1, ...)
+        for t in reader.tensors:
+            hf = _hf_name(t.name)
+            if hf is None:
+                raise ValueError(f"GGUF tensor {t.name!r} has no place in the {args.arch} model")
+            w = torch.from_numpy(reader.dequantize(t))                  # fp32 [rows, cols], its own memory
+            if args.arch in PERMUTED_ARCHS:
+                if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
+                    w = reverse_permute_qk(w, args.n_heads)
+                elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
+                    w = reverse_permute_qk(w, args.n_kv_heads)
+            tensors[hf] = w
+            qtypes[t.type_name] = qtypes.get(t.type_name, 0) + 1
+            stored[hf] = t.type_name
+        tok = Tokenizer.from_gguf_fields(reader.fields)
+        name = _field(reader, "general.name") or os.path.basename(str(path))
+        file_type = _field(reader, "general.file_type")
     return Checkpoint(args=args, tensors=tensors, tokenizer=tok, format="gguf", path=str(path),
                       info={"name": name, "architecture": args.arch, "tensor_types": qtypes, "stored_as": stored,
-                            "file_type": _field(reader, "general.file_type")})
+                            "file_type": file_type})
