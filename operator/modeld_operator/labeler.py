@@ -20,6 +20,7 @@ The mapping from a reading to labels is a pure function (``label_patch``), unit-
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import re
@@ -150,10 +151,14 @@ def _text(v: Any) -> str:
 
 
 def _fabric(pynvml: Any, handle: Any) -> str | None:
+    """The GPU's NVLink domain as "<cluster uuid hex>.<clique id>", or None outside one. nvidia-ml-py's
+    nvmlDeviceGetGpuFabricInfo fills a caller's c_nvmlGpuFabricInfo_t (passed by reference) and returns a status,
+    like the C call; it does not return the struct (seen on an H200 with nvidia-ml-py 13.615)."""
     try:
-        info = pynvml.nvmlDeviceGetGpuFabricInfo(handle)
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
     except (AttributeError, pynvml.NVMLError):
-        return None                # older drivers, or a GPU outside any NVLink domain
+        return None                # older drivers or bindings, or a GPU outside any NVLink domain
     if int(info.state) != FABRIC_COMPLETED or not any(info.clusterUuid):
         return None
     uuid = bytes(info.clusterUuid).hex()

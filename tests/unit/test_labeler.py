@@ -4,10 +4,21 @@ Discovery's labels are never overwritten, and a node already labelled gets no pa
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 import modeld_api as api
-from modeld_operator.labeler import GPU, LABEL_NVLINK_DOMAIN, REMOTE_GPU, REMOTE_SWITCH, Link, Reading, label_patch
+from modeld_operator.labeler import (
+    GPU,
+    LABEL_NVLINK_DOMAIN,
+    REMOTE_GPU,
+    REMOTE_SWITCH,
+    Link,
+    Reading,
+    _fabric,
+    label_patch,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -77,3 +88,34 @@ def test_a_multi_node_nvlink_domain_is_labelled_and_removed_when_gone():
 
 def test_a_node_where_nvml_sees_no_gpu_is_left_alone():
     assert label_patch({api.LABEL_INTERCONNECT: "nvswitch"}, Reading()) == {}
+
+
+class _FabricBinding:
+    """nvidia-ml-py's fabric call as its 13.x binding declares it (seen on an H200): the caller passes a
+    c_nvmlGpuFabricInfo_t by reference, NVML fills it, and the call returns a status, not the struct."""
+
+    class NVMLError(Exception):
+        pass
+
+    class c_nvmlGpuFabricInfo_t(ctypes.Structure):  # noqa: N801  (the binding's name)
+        _fields_ = [("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_uint), ("cliqueId", ctypes.c_uint32),
+                    ("state", ctypes.c_uint8)]
+
+    def __init__(self, uuid: bytes | None, clique: int = 0, state: int = 3) -> None:
+        self.uuid, self.clique, self.state = uuid, clique, state
+
+    def nvmlDeviceGetGpuFabricInfo(self, handle, info) -> int:  # noqa: N802, ANN001
+        if self.uuid is None:
+            raise self.NVMLError("Not Supported")
+        s = info._obj                                     # ctypes.byref(x)._obj is x: NVML writes through it
+        s.clusterUuid[:] = list(self.uuid)
+        s.cliqueId, s.state = self.clique, self.state
+        return 0
+
+
+def test_the_fabric_reading_uses_nvml_bindings_out_parameter():
+    uuid = bytes(range(1, 17))
+    assert _fabric(_FabricBinding(uuid, clique=7), handle=None) == f"{uuid.hex()}.7"
+    assert _fabric(_FabricBinding(uuid, state=1), handle=None) is None           # not yet registered with the fabric
+    assert _fabric(_FabricBinding(bytes(16)), handle=None) is None               # no cluster: a GPU outside a domain
+    assert _fabric(_FabricBinding(None), handle=None) is None                    # the driver says not supported
