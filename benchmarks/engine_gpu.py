@@ -4,7 +4,18 @@ A synthetic model with SmolLM2-135M's real shapes (random weights from a fixed s
 the contexts) stands in for the weights: the real GGUF is 93 MB and a device call carries at most 64 MiB, and speed
 does not depend on the weights' values. Greedy agreement between the two backends is still a real check (the same
 weights on both). Per context: first output (ensure_prefix of a fresh prompt, then the first decoded token) and
-decode ms/token, for the triton and the torch engine; then greedy agreement over 16 tokens.
+decode ms/token, for the triton and the torch engine; then greedy agreement over 16 tokens. A warm-up prompt per
+engine comes first and is reported apart (``warmup``: its first output includes Triton's JIT compiles), so the
+measured contexts time the kernels, not their compilation.
+
+Two diagnostics follow, on the shortest context's prompt:
+- ``first_token``: the logits of the prompt's last position from each backend's runner (chunked as the engine
+  chunks) against an fp32 copy of the model on the torch runner: max |diff|, whether the argmax agrees, and the fp32
+  top-1/top-2 margin. With random weights the logits are nearly flat, so a margin below the bf16 error means a
+  greedy disagreement is rounding, not a kernel fault.
+- ``decode_profile``: torch.profiler over a few decode steps of each engine: wall ms/step, GPU kernel ms/step and
+  kernels launched per step (a step whose wall time is far above its kernel time is bound by the host), and the
+  host ops that took the most time.
 
     PYTHONPATH=cellimage:api python benchmarks/engine_gpu.py --out _out/engine.json          # CUDA: 8k and 32k
     TRITON_INTERPRET=1 ... engine_gpu.py --dry-run --out ...                                 # CPU: tiny, 2 layers
@@ -16,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import json
 import os
@@ -105,6 +117,49 @@ async def measure(eng: Engine, prompt: list[int], n: int, device: str) -> dict:
             if per else None, "tokens": toks}
 
 
+def first_logits(eng: Engine, prompt: list[int], chunk: int) -> torch.Tensor:
+    """The last position's logits from the engine's runner, the prompt prefilled in chunks into blocks 0..n of
+    its pool (run after every session closed; nothing else uses the pool then)."""
+    r = eng.runner
+    blocks = list(range(r.kv.blocks_for(len(prompt))))
+    for s in range(0, len(prompt), chunk):
+        logits, _, _ = r.prefill(prompt[s:s + chunk], s, blocks)
+    return logits.float()
+
+
+def first_token_check(engines: dict[str, Engine], ref: Engine, prompt: list[int], chunk: int) -> dict:
+    want = first_logits(ref, prompt, chunk)
+    top = torch.topk(want, 2).values
+    out: dict = {"context": len(prompt), "fp32_top1_minus_top2": round(float(top[0] - top[1]), 5)}
+    for b, e in engines.items():
+        got = first_logits(e, prompt, chunk)
+        out[b] = {"max_abs_vs_fp32": round(float((got - want).abs().max()), 5),
+                  "argmax_equals_fp32": int(got.argmax()) == int(want.argmax())}
+    return out
+
+
+async def decode_profile(eng: Engine, prompt: list[int], n: int, device: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    sid = "profiled"
+    await eng.ensure_prefix(sid, prompt)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    stamps = []
+    with profile(activities=acts) as prof:
+        async for ev in eng.decode(sid, SamplingParams(), n + 1):
+            if not ev.done:
+                stamps.append(time.perf_counter())
+        sync(device)
+    eng.close_session(sid)
+    steps = max(1, len(stamps) - 1)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10).splitlines()
+    return {"context": len(prompt), "steps": steps,
+            "wall_ms_per_step": round((stamps[-1] - stamps[0]) * 1e3 / steps, 3) if len(stamps) > 1 else None,
+            "gpu_kernel_ms_per_step": round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / (n + 1), 3),
+            "kernels_per_step": round(len(kernels) / (n + 1), 1), "top_host_ops": table}
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -127,14 +182,29 @@ async def main() -> None:
     engines = {b: engine(model, b, tier, kv_mib, device) for b in ("triton", "torch")}
     res["startup_check"] = engines["triton"].runner.startup_check()
     g = torch.Generator().manual_seed(1)
+    warm = torch.randint(0, model.args.vocab_size, (min(256, min(contexts)),), generator=g).tolist()
+    res["warmup"] = {b: {k: v for k, v in (await measure(e, warm, 4, device)).items() if k != "tokens"}
+                     for b, e in engines.items()}
+    print("warmup", res["warmup"], flush=True)
+    prompts: dict[int, list[int]] = {}
     for n in contexts:
-        prompt = torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()
+        prompt = prompts[n] = torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()
         row = {b: await measure(e, prompt, a.decode_tokens, device) for b, e in engines.items()}
         same = common_prefix(row["triton"]["tokens"], row["torch"]["tokens"])
         res["contexts"][str(n)] = {**{b: {k: v for k, v in r.items() if k != "tokens"} for b, r in row.items()},
                                    "greedy_tokens_identical": same, "of": a.decode_tokens}
         print(n, res["contexts"][str(n)], flush=True)
+    chunk = max(512, min(tier, 8192))
+    short = prompts[min(contexts)]                      # the measured prompt: its greedy agreement is in contexts
+    prof = {b: await decode_profile(e, short, 8, device) for b, e in engines.items()}
+    res["decode_profile"] = prof
+    print("decode_profile", {b: {k: v for k, v in p.items() if k != "top_host_ops"} for b, p in prof.items()},
+          flush=True)
     res["kernels"] = engines["triton"].runner.kernels()
+    ref = engine(copy.deepcopy(model).float(), "torch", tier, kv_mib * 2, device)
+    res["first_token"] = first_token_check(engines, ref, short, chunk)
+    print("first_token", res["first_token"], flush=True)
+    ref.shutdown()
     for e in engines.values():
         e.shutdown()
     out = pathlib.Path(a.out)

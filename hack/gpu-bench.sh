@@ -2,24 +2,27 @@
 # The GPU figures in one command, on a bare CUDA box that has only torch + triton (pytest optional).
 #   hack/gpu-bench.sh              # on the GPU; results in ./_out (OUT=... to change, PYTHON=... for the interpreter)
 #   hack/gpu-bench.sh --dry-run    # the same steps on the CPU under the Triton interpreter at tiny shapes (CI runs it)
-# Each step has its own time cap and writes its own file, so one failure loses nothing else; about 6 minutes on an
-# H200 (caps: 30 + 150 + 300 + 240 s). Steps, in order:
+# Each step has its own time cap and writes its own file, so one failure loses nothing else. The caps add up to
+# 560 s (20 + 20 + 180 + 220 + 120), inside one device call's 600 s, and the steps run most valuable first, so a
+# call cut short keeps what came before. Steps, in order:
 #   1. env.json           torch, triton, the device's properties
-#   2. kernels-tests.txt  tests/kernels on the device (the interpreter-only cases skip themselves on CUDA)
-#   3. kernels.json       benchmarks/kernels.py: paged decode bandwidth vs HBM peak at 32k/128k, fused int8/fp8/int4
-#                         decode vs bf16, block-sparse vs dense (SDPA flash, 4-D) prefill at 32k/64k/128k, merge
-#   4. engine.json        benchmarks/engine_gpu.py: the worker's engine, triton vs torch backend on the device, on a
+#   2. nvml.json          the node labeler's NVML reader (modeld_operator/labeler.py) on this machine's GPUs and the
+#                         labels it would write (needs nvidia-ml-py: the device image has it, and hack/gpu-wheels.sh
+#                         carries it in .whl too); in a dry run there is no NVML and the step says so
+#   3. engine.json        benchmarks/engine_gpu.py: the worker's engine, triton vs torch backend on the device, on a
 #                         synthetic model with SmolLM2-135M's shapes (the real GGUF is 93 MB, over a call's 64 MiB):
-#                         first output and decode ms/token at 8k and 32k, greedy agreement. It needs pydantic: carry
-#                         the wheels hack/gpu-wheels.sh puts in .whl/ (installed here with pip --no-index)
-#   5. nvml.json          the node labeler's NVML reader (modeld_operator/labeler.py) on this machine's GPUs and the
-#                         labels it would write (needs nvidia-ml-py: hack/gpu-wheels.sh carries it in .whl too);
-#                         in a dry run there is no NVML and the step says so
+#                         a warm-up (JIT compiles), then first output and decode ms/token at 8k and 32k, greedy
+#                         agreement. It needs pydantic: carry the wheels hack/gpu-wheels.sh puts in .whl/ (installed
+#                         here with pip --no-index)
+#   4. kernels.json       benchmarks/kernels.py: paged decode bandwidth vs HBM peak at 32k/128k, fused int8/fp8/int4
+#                         decode vs bf16, block-sparse vs dense (SDPA flash, 4-D) prefill at 32k/64k/128k, merge;
+#                         each row is also printed as it is measured, so a cut-short run keeps its rows in the log
+#   5. kernels-tests.txt  tests/kernels on the device (the interpreter-only cases skip themselves on CUDA)
 #   6. steps.json         each step's exit status and seconds
 set -o errexit -o nounset -o pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"  # the device image's torch is python3's
 OUT="${OUT:-./_out}"
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
@@ -120,11 +123,11 @@ PY
 
 export -f env_step tests_step bench_step engine_step nvml_step
 export DRY OUT PYTHON
-run_step env 30 env_step
-run_step kernel-tests 150 tests_step
-run_step kernels 300 bench_step
-run_step engine 240 engine_step
-run_step nvml 30 nvml_step
+run_step env 20 env_step
+run_step nvml 20 nvml_step
+run_step engine 180 engine_step
+run_step kernels 220 bench_step
+run_step kernel-tests 120 tests_step
 ( IFS=,; echo "{${steps[*]}}" ) > "$OUT/steps.json"
 cat "$OUT/steps.json"
 if grep -q '"rc": [1-9]' "$OUT/steps.json"; then
