@@ -320,30 +320,42 @@ def _segmented_row(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float, seg: 
     """_segmented_attention of one row (a decode step), the same flash calls on the same inputs and the same merge
     formula in the same order, so the same bits, in about half the ops (no per-part bookkeeping, the mask a slice of
     the cached causal table, the padding a slice of a cached zero block). q: [1, Hq, D]; k, v: [q0 + 1, Hkv, D]."""
-    _, hq, d = q.shape
+    hkv, d = k.shape[1], k.shape[2]
+    return segmented_row(q, k, v, q0, scale, seg, _causal_rows(seg, q.dtype, q.device),
+                         _zeros(hkv, seg, d, q.dtype, q.device))
+
+
+def segmented_row(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float, seg: int, causal: Tensor,
+                  zeros: Tensor) -> Tensor:
+    """``_segmented_row`` with its tables passed in: ``causal`` = _causal_rows(seg) [seg, seg], ``zeros`` a zero
+    block [Hkv, seg, D]. TorchScript-compilable (decode_step.py runs it inside the scripted decode step)."""
+    hq, d = q.shape[1], q.shape[2]
     n, hkv = k.shape[0], k.shape[1]
     g = hq // hkv
     rows = g + (-g) % 4                                               # flash rows per call: a multiple of 4
     qq = q.view(1, hkv, g, d)
     if rows > g:
         qq = torch.cat([qq, qq[:, :, -1:].expand(1, hkv, rows - g, d)], 2)
-    nb, a = q0 // seg, (q0 // seg) * seg
-    outs, lses = [], []
-    if nb:
+    nb = q0 // seg
+    a = nb * seg
+    outs: list[Tensor] = []
+    lses: list[Tensor] = []
+    if nb > 0:
         kb = k[:a].view(nb, seg, hkv, d).permute(0, 2, 1, 3)          # [nb, Hkv, seg, D] (strided view)
         vb = v[:a].view(nb, seg, hkv, d).permute(0, 2, 1, 3)
-        o, lse = _FLASH_CPU(qq.expand(nb, -1, -1, -1), kb, vb, scale=scale)[:2]
-        outs.append(o)
-        lses.append(lse)
-    pad = _zeros(hkv, seg - (n - a), d, q.dtype, q.device)[:, : seg - (n - a)]
+        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qq.expand(nb, -1, -1, -1), kb, vb,
+                                                                        scale=scale)
+        outs.append(r[0])
+        lses.append(r[1])
+    pad = zeros[:, : seg - (n - a)]
     ks = torch.cat([k[a:].permute(1, 0, 2), pad], 1).unsqueeze(0)     # [1, Hkv, seg, D]: the open segment, padded
     vs = torch.cat([v[a:].permute(1, 0, 2), pad], 1).unsqueeze(0)
-    mask = _causal_rows(seg, q.dtype, q.device)[q0 - a : q0 - a + 1].expand(rows, seg)[None, None]
-    o, lse = _FLASH_CPU(qq, ks, vs, attn_mask=mask, scale=scale)[:2]
-    outs.append(o)
-    lses.append(lse)
-    o = torch.cat(outs)[:, :, :g] if nb else o[:, :, :g]              # [nseg, Hkv, G, D]
-    lse = torch.cat(lses)[:, :, :g] if nb else lse[:, :, :g]          # [nseg, Hkv, G]
+    mask = causal[q0 - a : q0 - a + 1].expand(rows, seg)[None, None]
+    r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qq, ks, vs, attn_mask=mask, scale=scale)
+    outs.append(r[0])
+    lses.append(r[1])
+    o = torch.cat(outs)[:, :, :g] if nb > 0 else r[0][:, :, :g]        # [nseg, Hkv, G, D]
+    lse = torch.cat(lses)[:, :, :g] if nb > 0 else r[1][:, :, :g]      # [nseg, Hkv, G]
     w = torch.exp(lse - lse.amax(0))
     num = torch.zeros(hkv, g, d, dtype=torch.float32, device=q.device)
     den = torch.zeros(hkv, g, dtype=torch.float32, device=q.device)
@@ -516,14 +528,23 @@ class RowLinear(nn.Linear):
             self.packed = None
 
     def forward(self, x: Tensor) -> Tensor:
-        one = x.shape[0] == 1 and x.device.type == "cpu"
-        if one:
-            x = torch.cat([x, x])
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        else:
-            y = super().forward(x)
-        return y[:1] if one else y
+            return row_linear(x, self.packed, self.bias, True)
+        return row_linear(x, self.weight, self.bias, False)
+
+
+def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool) -> Tensor:
+    """RowLinear's multiply (TorchScript-compilable): x [N, in] @ weight^T (+ bias), one CPU row multiplied as two;
+    ``packed``: weight is oneDNN's blocked copy (RowLinear.pack)."""
+    one = x.shape[0] == 1 and x.device.type == "cpu"
+    if one:
+        x = torch.cat([x, x])
+    if packed:
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none",
+                                               torch.jit.annotate(list[int | float | complex | None], []), "")
+    else:
+        y = F.linear(x, weight, bias)
+    return y[:1] if one else y
 
 
 def pack_linears(model: Transformer) -> int:
@@ -553,8 +574,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()  # normalise in fp32 (bf16 variance loses ~3 digits)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension, normalised in fp32 (bf16 variance loses ~3 digits); TorchScript-compilable."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rope_frequencies(args: ModelArgs) -> Tensor:

@@ -60,6 +60,18 @@ def dequantize_q4_1(q: Tensor, d: Tensor, m: Tensor, group: int = Q4_GROUP) -> T
     return (q.view(n, k // group, group).float() * d[..., None] + m[..., None]).view(n, k)
 
 
+def int8_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """Int8WeightOnlyLinear's multiply (TorchScript-compilable): x [N, K] @ (qweight * scales)^T (+ bias)."""
+    y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scales)
+    return y if bias is None else y + bias
+
+
+def int4_linear(x: Tensor, packed: Tensor, group: int, scales_zeros: Tensor, bias: Tensor | None) -> Tensor:
+    """Int4WeightOnlyLinear's multiply (TorchScript-compilable), through torch's packed int4 CPU kernel."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group, scales_zeros)
+    return y if bias is None else y + bias
+
+
 class Int8WeightOnlyLinear(nn.Module):
     """y = x @ (q * s)^T (+ bias): int8 weights, per-channel scales in the activations' dtype."""
 
@@ -72,8 +84,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
-        return y if self.bias is None else y + self.bias
+        return int8_linear(x, self.qweight, self.scales, self.bias)
 
     def rows(self, idx: Tensor, dtype: torch.dtype) -> Tensor:
         """The dequantized weight rows ``idx`` (an embedding lookup): [len(idx), K]."""
@@ -98,8 +109,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("m", m if keep_codes else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.scales_zeros)
-        return y if self.bias is None else y + self.bias
+        return int4_linear(x, self.packed, self.group, self.scales_zeros, self.bias)
 
     def rows(self, idx: Tensor, dtype: torch.dtype) -> Tensor:
         if self.codes is None:
