@@ -59,6 +59,7 @@ def capability(e: Engine) -> dict:
                     "device": str(e.kv.device), "device_name": device_name(e.kv.device),
                     "runner": e.runner.name, "startup_check": e.startup, "threads": torch.get_num_threads(),
                     "decode_threads": getattr(e.runner, "decode_threads_report", None),
+                    "decode_step": getattr(e.runner, "decode_step_report", None),
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
                     "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
                     "weights_layout": e.identity.get("weights_kernel"),       # as held: e.g. "dense; oneDNN-packed: 120"

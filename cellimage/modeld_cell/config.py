@@ -56,6 +56,9 @@ class EngineSettings:
     pack_weights: bool = True                           # MODELD_PACK_WEIGHTS
     # intra-op threads of a one-session decode step: None measures it at start (runner.choose_decode_threads)
     decode_threads: int | None = None                   # MODELD_DECODE_THREADS: auto | a count
+    # a one-session CPU decode step as one TorchScript graph (decode_step.py): auto (measured, bits checked at start),
+    # script (required), eager (never)
+    decode_step: str = "auto"                           # MODELD_DECODE_STEP
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -87,6 +90,10 @@ class EngineSettings:
             if not dt.isdigit() or int(dt) < 1:
                 raise ValueError(f"MODELD_DECODE_THREADS must be auto or a count >= 1, got {dt!r}")
             s.decode_threads = int(dt)
+        step = os.environ.get("MODELD_DECODE_STEP", "auto").strip().lower() or "auto"
+        if step not in ("auto", "script", "eager"):
+            raise ValueError(f"MODELD_DECODE_STEP must be auto, script or eager, got {step!r}")
+        s.decode_step = step
         pack = os.environ.get("MODELD_PACK_WEIGHTS", "1").strip().lower()
         if pack not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"MODELD_PACK_WEIGHTS must be 1 or 0, got {pack!r}")

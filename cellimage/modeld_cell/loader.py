@@ -344,6 +344,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
         if rk is None and cfg.backend == "torch":            # on the torch thread: OpenMP counts are per thread
             eng.on_torch_thread(eng.runner.choose_decode_threads, eng.settings.decode_threads)
+            eng.on_torch_thread(eng.runner.choose_decode_step, eng.settings.decode_step)
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()
         if verdicts is not None:             # measured on the whole model before the ranks cut it
@@ -416,4 +417,7 @@ def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: 
     e = type(base)(model, base.tokenizer, cache, cfg, dict(base.identity, kv_dtype=cfg.kv, **(identity or {})),
                    settings or dataclasses.replace(base.settings))
     e.runner.choose_decode_kernel(e.settings.decode_attention)   # its own choice, for its KV format
+    if getattr(base.runner, "decode_step", None) is not None and e.settings.decode_step != "eager":
+        # the base measured the scripted step faster on these weights; this pool checks its own bits (one token)
+        e.on_torch_thread(e.runner.choose_decode_step, "auto", 1, 64, "the base engine")
     return e

@@ -77,6 +77,8 @@ class TorchRunner:
         self._quant_dispatch = False                    # quantized decode through dispatch.quant_paged_decode on CPU
         self.decode_threads: int | None = None          # intra-op threads of a one-session decode (None: the process's)
         self.decode_threads_report: dict[str, Any] | None = None
+        self.decode_step: Any = None                    # a validated decode_step.ScriptedDecode, or None: eager
+        self.decode_step_report: dict[str, Any] | None = None
 
     # the backend's attention for every forward (AttnMetadata.attend); None: model.py's torch paths
     attend: Callable[..., Tensor] | None = None
@@ -204,6 +206,88 @@ class TorchRunner:
         return {"threads": self.decode_threads or n, "median_ms": ms, "bitwise_equal": same, "context": context,
                 "reps": reps, "reason": reason}
 
+    @torch.no_grad()
+    def choose_decode_step(self, setting: str = "auto", reps: int = 5, context: int = 64,
+                           measured_by: str | None = None) -> dict[str, Any]:
+        """Whether a one-session decode step runs as one TorchScript graph (decode_step.py) or eagerly (call on the
+        torch thread, after choose_decode_threads). ``setting`` (MODELD_DECODE_STEP): "eager" never scripts;
+        "script" takes it untimed wherever this cell can serve it (errors.Fatal when it fails to compile or its bits
+        differ; a cell it cannot serve, such as a quantized KV cache, decodes eagerly, saying why); "auto" measures here, on the
+        loaded model: one session of ``context`` tokens in scratch blocks, its next token decoded ``reps`` times each
+        way alternately. The scripted step is taken only when its logits and every layer's K/V for the token equal
+        the eager step's bit for bit (exact reuse needs decode == prefill), and under "auto" only when its median is
+        the lower. ``measured_by``: another engine over the same weights measured it faster (Engine.sibling); this
+        runner's pool then checks its own bits once and never raises."""
+        from . import decode_step
+        self.decode_step = None
+        rep: dict[str, Any] = {"step": "eager", "setting": setting}
+        why = None
+        if setting == "eager":
+            why = "MODELD_DECODE_STEP=eager"
+        elif type(self).forward is not TorchRunner.forward or self.attend is not None or self._decode_fn is not None:
+            why = f"the {self.name} runner's decode is not model.py's torch path"
+        else:
+            why = decode_step.eligible(self.model, self.kv)
+        if why is None and self.kv.free_blocks < self.kv.blocks_for(context + 1):
+            why = "not measured: no free KV blocks"
+        step = None
+        servable = why is None                  # "script" stops the worker only for a step this cell could serve
+        if why is None:
+            try:
+                step = decode_step.ScriptedDecode(self.model, self.kv)
+            except Exception as e:      # TorchScript absent or unable to compile this torch's ops
+                why = f"torch.jit.script failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+        if step is not None:
+            rep.update(self._measure_decode_step(step, reps, context))
+            if not rep["bitwise_equal"]:
+                why = "the scripted step's bits differ from the eager step's: not taken"
+            elif setting == "auto" and measured_by is None and rep["median_ms"]["script"] >= rep["median_ms"]["eager"]:
+                why = "the eager step is as fast or faster here"
+        if why is None:
+            self.decode_step = step
+            rep.update(step="torchscript", reason="the scripted step has the eager bits" + (
+                f" and {measured_by} measured it faster" if measured_by else
+                " and is faster here" if setting == "auto" else " (MODELD_DECODE_STEP=script)"))
+        else:
+            rep["reason"] = why
+        self.decode_step_report = rep
+        if why is not None and servable and setting == "script" and measured_by is None:
+            raise errors.Fatal(f"MODELD_DECODE_STEP=script, but {why}")
+        return rep
+
+    def _measure_decode_step(self, step: Any, reps: int, context: int, gap: float = 0.005) -> dict[str, Any]:
+        blocks = self.kv.allocate(self.kv.blocks_for(context + 1))
+        times: dict[str, list[float]] = {"eager": [], "script": []}
+        first: tuple[Tensor, Tensor, Tensor] | None = None
+        same = True
+        bs = self.kv.block_size
+        slot = blocks[context // bs] * bs + context % bs
+        try:
+            toks = [(i * 7919 + 13) % self.model.args.vocab_size for i in range(context + 1)]
+            self.prefill(toks[:context], 0, blocks)
+            for _ in range(reps):
+                for kind in ("eager", "script"):
+                    time.sleep(gap)          # as between served steps
+                    self.decode_step = step if kind == "script" else None
+                    try:
+                        t0 = time.perf_counter()
+                        logits = self.decode([toks[context]], [context], [blocks])
+                        times[kind].append((time.perf_counter() - t0) * 1e3)
+                    finally:
+                        self.decode_step = None
+                    kv_k = self.kv.k.view(self.kv.k.shape[0], -1, *self.kv.k.shape[3:])[:, slot].clone()
+                    kv_v = self.kv.v.view(self.kv.v.shape[0], -1, *self.kv.v.shape[3:])[:, slot].clone()
+                    if first is None:
+                        first = (logits, kv_k, kv_v)
+                    else:
+                        same = same and all(torch.equal(a, b) for a, b in zip(first, (logits, kv_k, kv_v),
+                                                                             strict=True))
+        finally:
+            self.kv.free(blocks[::-1])
+        ms = {k: round(statistics.median(v[1:] or v), 2) for k, v in times.items()}
+        return {"median_ms": ms, "bitwise_equal": same, "context": context, "reps": reps,
+                "threads": self.decode_threads or torch.get_num_threads()}
+
     def forward(self, tokens: Tensor, positions: Tensor, meta: AttnMetadata, rows: Tensor | None = None) -> Tensor:
         """One forward of the model over this runner's pool: fp32 logits [len(rows) or N, V] (a pipeline stage runs
         its part of it instead: parallel/pipeline.py)."""
@@ -246,12 +330,14 @@ class TorchRunner:
                             attend=self.attend)
         args = (torch.tensor(toks, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 meta)
-        if self.decode_threads is None or len(toks) > 1:
+        if len(toks) > 1:
             return self.forward(*args)
+        step = self.decode_step
         n = torch.get_num_threads()
-        torch.set_num_threads(self.decode_threads)
+        if self.decode_threads is not None:
+            torch.set_num_threads(self.decode_threads)
         try:
-            return self.forward(*args)
+            return step(toks[0], positions[0], tables[0]) if step is not None else self.forward(*args)
         finally:
             torch.set_num_threads(n)
 

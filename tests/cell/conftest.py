@@ -12,6 +12,8 @@ under 1e-3 (LOGIT_ATOL).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -24,6 +26,22 @@ SPEC = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect":
         "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
         "profile": {"weights": "fp32", "kv": "fp32", "attention": "dense", "prefixReuse": True},
         "contextTier": CONTEXT_TIER, "kvMemoryMiB": 256}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scripted_decode_step() -> None:
+    """Every cell-tier engine that can serve the scripted decode step serves it (decode_step.py; its bits are checked
+    against the eager step's at each start, and a difference stops the engine), not whichever step the start-up
+    timing favours on this machine: the exactness tests then always run through it. Cells it cannot serve (a
+    quantized KV cache, the Triton or multi-rank runners) decode eagerly, as batched steps and the unit tests'
+    comparisons do."""
+    before = os.environ.get("MODELD_DECODE_STEP")
+    os.environ["MODELD_DECODE_STEP"] = "script"
+    yield
+    if before is None:
+        os.environ.pop("MODELD_DECODE_STEP", None)
+    else:
+        os.environ["MODELD_DECODE_STEP"] = before
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,177 @@
+"""A one-session CPU decode step compiled as one TorchScript graph: the same aten calls as the eager step, without
+Python between them.
+
+A decode step of SmolLM2-135M is some 3,000 op calls from Python (30 layers of RMSNorm, the row-duplicated
+linears, RoPE, the K/V write, ``model.segmented_row``'s two flash calls and merge, SwiGLU). Each call pays the
+interpreter and the argument parsing before the dispatcher; on a 2-core VM that was a quarter of a step. Here the
+layer loop is ``torch.jit.script`` of the SAME Python functions the eager path calls (``model.rms_norm``,
+``model.row_linear``, ``model.rope_rotate``, ``model.segmented_row``, ``quantize.int8_linear`` /
+``int4_linear``), so both run the same aten ops on the same inputs in the same order: same bits, which exact prefix
+reuse needs (a decoded token's K/V are what a later prefill of it computes; docs/reuse.md). Graph optimisation is
+off for the call (``torch.jit.optimized_execution(False)``): no fuser may regroup the arithmetic.
+
+Nothing is taken on trust: ``TorchRunner.choose_decode_step`` compares the scripted step's logits and the K/V it
+writes with the eager step's, bit for bit, on the loaded model at start, and times both; a step that differs is never
+served. What it covers: the torch runner on the CPU (chunking-invariant path), one session, an unquantized KV cache,
+a model whose layers are this package's Transformer blocks with RowLinear (plain or oneDNN-packed) or the int8 /
+int4 weight-only linears. Anything else decodes eagerly, and ``eligible`` says why.
+
+``torch.jit.script`` is deprecated in favour of torch.compile / torch.export (torch 2.x warns); neither of those keeps
+the eager bits on the CPU without a C++ compiler at start, and where scripting fails the eager step serves, with
+the reason in the capability report.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import model as M
+from . import quantize as Q
+
+PLAIN, PACKED, INT8, INT4 = 0, 1, 2, 3          # how a linear multiplies (``_linear``'s kind)
+
+
+def _linear(x: Tensor, kind: int, w: Tensor, aux: Tensor | None, bias: Tensor | None, group: int) -> Tensor:
+    """A layer linear as the eager module multiplies it. kind: PLAIN 0, PACKED 1, INT8 2, INT4 3 (literals:
+    TorchScript reads no module globals); aux: int8 scales or int4 scales_zeros."""
+    if kind == 2:
+        assert aux is not None
+        return Q.int8_linear(x, w, aux, bias)
+    if kind == 3:
+        assert aux is not None
+        return Q.int4_linear(x, w, group, aux, bias)
+    return M.row_linear(x, w, bias, kind == 1)
+
+
+def _past(cache: Tensor, table: Tensor, start: int, n: int, bs: int, dtype: torch.dtype) -> Tensor:
+    """The session's first n cached tokens [n, Hkv, D] in ``dtype`` (model._past_float of an unquantized cache):
+    a view of the block run from block ``start`` when the blocks are consecutive (start >= 0), else gathered."""
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    if start >= 0:
+        return flat[start * bs : start * bs + n].to(dtype)
+    nblk = (n + bs - 1) // bs
+    return cache.index_select(0, table[:nblk].long()).view(-1, cache.shape[2], cache.shape[3])[:n].to(dtype)
+
+
+def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kinds: list[int], ws: list[Tensor],
+                  auxs: list[Tensor | None], biases: list[Tensor | None], group: int, kc: list[Tensor],
+                  vc: list[Tensor], slot: Tensor, table: Tensor, start: int, n: int, bs: int, eps: float, hq: int,
+                  hkv: int, d: int, inter: int, seg: int, causal: Tensor, zeros: Tensor, scale: float) -> Tensor:
+    """Every transformer layer of one session's decode step (model.TransformerBlock.forward with a decode
+    AttnMetadata of one session). x: [1, dim] embedded token; cos, ssin: model.rope_rows of its position;
+    norms: 2 per layer (attention, ffn); kinds/ws/auxs/biases: 4 linears per layer (wqkv, wo, w13, w2); kc, vc: each
+    layer's cache [num_blocks, BS, Hkv, D]; slot: [1] the token's flat slot; table: [nblk] int32 block table;
+    start: first block when consecutive else -1; n: tokens in the cache after this step. Returns x [1, dim]."""
+    for i in range(len(kc)):
+        j = 4 * i
+        qkv = _linear(M.rms_norm(x, norms[2 * i], eps), kinds[j], ws[j], auxs[j], biases[j], group)
+        qk = M.rope_rotate(qkv[:, : (hq + hkv) * d].view(1, hq + hkv, d), cos, ssin)
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, (hq + hkv) * d :].view(1, hkv, d)
+        kc[i].view(-1, hkv, d).index_copy_(0, slot, k.to(kc[i].dtype))      # PagedKVCache.write
+        vc[i].view(-1, hkv, d).index_copy_(0, slot, v.to(vc[i].dtype))
+        o = M.segmented_row(q[0:1], _past(kc[i], table, start, n, bs, q.dtype), _past(vc[i], table, start, n, bs,
+                                                                                        q.dtype),
+                            n - 1, scale, seg, causal, zeros)
+        h = x + _linear(o.reshape(1, hq * d), kinds[j + 1], ws[j + 1], auxs[j + 1], biases[j + 1], group)
+        gu = _linear(M.rms_norm(h, norms[2 * i + 1], eps), kinds[j + 2], ws[j + 2], auxs[j + 2], biases[j + 2],
+                     group).split(inter, -1)
+        x = h + _linear(F.silu(gu[0]) * gu[1], kinds[j + 3], ws[j + 3], auxs[j + 3], biases[j + 3], group)
+    return x
+
+
+def _linear_args(mod: torch.nn.Module) -> tuple[int, Tensor, Tensor | None, Tensor | None, int] | None:
+    """(kind, weight, aux, bias, group) of a layer linear, or None when the scripted step cannot multiply it."""
+    if type(mod) is M.RowLinear:
+        if mod.packed is not None:
+            return PACKED, mod.packed, None, mod.bias, 0
+        return PLAIN, mod.weight, None, mod.bias, 0
+    if type(mod) is Q.Int8WeightOnlyLinear:
+        return INT8, mod.qweight, mod.scales, mod.bias, 0
+    if type(mod) is Q.Int4WeightOnlyLinear:
+        return INT4, mod.packed, mod.scales_zeros, mod.bias, mod.group
+    return None
+
+
+def eligible(model: Any, kv: Any) -> str | None:
+    """None when the scripted step can serve this model and cache, else why not (in words)."""
+    if not isinstance(model, M.Transformer):
+        return f"the model is a {type(model).__name__}, not model.Transformer"
+    if not M.chunking_invariant(kv.k.device):
+        return f"{kv.k.device.type}: not the CPU chunking-invariant path"
+    if kv.fmt.quantized:
+        return f"the KV cache is quantized ({kv.fmt.quant}): its decode dequantizes eagerly"
+    for i, layer in enumerate(model.layers):
+        if type(layer) is not M.TransformerBlock or type(layer.attention) is not M.Attention \
+                or type(layer.feed_forward) is not M.FeedForward \
+                or type(layer.attention_norm) is not M.RMSNorm or type(layer.ffn_norm) is not M.RMSNorm:
+            return f"layer {i} is not a plain TransformerBlock"
+        for name, mod in (("wqkv", layer.attention.wqkv), ("wo", layer.attention.wo), ("w13", layer.feed_forward.w13),
+                          ("w2", layer.feed_forward.w2)):
+            if _linear_args(mod) is None:
+                return f"layer {i} {name} is a {type(mod).__name__}"
+            if mod._forward_hooks or mod._forward_pre_hooks:
+                return f"layer {i} {name} has forward hooks"
+    return None
+
+
+class ScriptedDecode:
+    """The compiled step over a model and its KV cache. Call with one token, its position and the session's block
+    table; returns fp32 logits [1, V] (what ``model(...)`` returns for a one-session decode forward). The weights are
+    read off the modules at every call, so packing or unpacking them later is followed."""
+
+    def __init__(self, model: Any, kv: Any) -> None:
+        why = eligible(model, kv)
+        if why is not None:
+            raise ValueError(why)
+        self.model, self.kv = model, kv
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)      # torch.jit.script's deprecation notice
+            self.fn = torch.jit.script(decode_layers)
+        a = model.args
+        self._dims = (a.norm_eps, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size)
+
+    @torch.inference_mode()
+    def __call__(self, tok: int, pos: int, table: list[int]) -> Tensor:
+        m, kv = self.model, self.kv
+        dev = kv.k.device
+        norms: list[Tensor] = []
+        kinds: list[int] = []
+        ws: list[Tensor] = []
+        auxs: list[Tensor | None] = []
+        biases: list[Tensor | None] = []
+        group = 0
+        for layer in m.layers:
+            norms += [layer.attention_norm.weight, layer.ffn_norm.weight]
+            for mod in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
+                args = _linear_args(mod)
+                if args is None:
+                    raise ValueError(f"{type(mod).__name__}: the scripted decode step cannot multiply it")
+                kinds.append(args[0])
+                ws.append(args[1])
+                auxs.append(args[2])
+                biases.append(args[3])
+                group = args[4] or group
+        eps, hq, hkv, d, inter = self._dims
+        bs = kv.block_size
+        n = pos + 1
+        nblk = kv.blocks_for(n)
+        start = table[0] if all(table[i] == table[0] + i for i in range(nblk)) else -1
+        positions = torch.tensor([pos], dtype=torch.long, device=dev)
+        x = m.tok_embeddings(torch.tensor([tok], dtype=torch.long, device=dev))
+        cos, ssin = M.rope_rows(m.rope_cos[positions], m.rope_sin[positions])
+        dtype = m.compute_dtype
+        with torch.jit.optimized_execution(False):
+            x = self.fn(x, cos, ssin, norms, kinds, ws, auxs, biases, group,
+                        [kv.k_layer(i) for i in range(len(m.layers))], [kv.v_layer(i) for i in range(len(m.layers))],
+                        torch.tensor([table[pos // bs] * bs + pos % bs], dtype=torch.long, device=dev),
+                        torch.tensor(table[:nblk], dtype=torch.int32, device=dev), start, n, bs, eps, hq, hkv, d,
+                        inter, M.ATTN_SEGMENT, M._causal_rows(M.ATTN_SEGMENT, dtype, dev),
+                        M._zeros(hkv, M.ATTN_SEGMENT, d, dtype, dev), 1.0 / math.sqrt(d))
+        return m.output(m.norm(x)).float()

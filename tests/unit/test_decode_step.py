@@ -1,0 +1,151 @@
+"""The scripted decode step (decode_step.py) computes the eager step's bits, and the runner takes it only when it
+does (#18). A tiny random model over every linear kind the step multiplies (plain, oneDNN-packed, int8, int4), both
+compute dtypes, consecutive and scattered block tables, and positions past the first 512-key attention segment.
+Mechanisms only: which step is faster is measured at start and never asserted here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeld_cell import decode_step as DS
+from modeld_cell import errors
+from modeld_cell import model as M
+from modeld_cell.config import EngineSettings
+from modeld_cell.kv_cache import PagedKVCache, kv_format
+from modeld_cell.quantize import quantize_model
+from modeld_cell.runner import TorchRunner
+
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(M._FLASH_CPU is None, reason="this torch has no CPU flash attention with LSE")]
+
+CONTEXT = 520                        # past ATTN_SEGMENT (512): the step's whole-segment flash call runs too
+
+
+def _model(kind: str, dtype: torch.dtype, bias: bool = False) -> M.Transformer:
+    args = M.ModelArgs(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                       intermediate_size=128, max_seq_len=1024, tie_embeddings=True, qkv_bias=bias)
+    torch.manual_seed(0)
+    m = M.Transformer(args).eval()
+    if kind in ("int8", "q4_1"):
+        return quantize_model(m, kind, dtype)
+    m = m.to(dtype)
+    if kind == "packed":
+        assert M.pack_linears(m) == 8
+    return m
+
+
+def _runner(m: M.Transformer, kv_fmt: str = "fp32") -> TorchRunner:
+    a = m.args
+    kv = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format(kv_fmt), 1 << 22, 16)
+    return TorchRunner(m, kv)
+
+
+def _kv_of(r: TorchRunner, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return r.kv.k[:, blocks].clone(), r.kv.v[:, blocks].clone()
+
+
+CASES = [("plain", torch.float32), ("plain", torch.bfloat16), ("packed", torch.float32), ("packed", torch.bfloat16),
+         ("int8", torch.float32), ("int8", torch.bfloat16), ("q4_1", torch.float32), ("q4_1", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["blocks-consecutive", "blocks-scattered"])
+@pytest.mark.parametrize(("kind", "dtype"), CASES, ids=[f"{k}-{str(d).removeprefix('torch.')}" for k, d in CASES])
+def test_the_scripted_step_writes_and_returns_the_eager_bits(kind: str, dtype: torch.dtype, scattered: bool) -> None:
+    if kind == "packed" and not M.can_pack(dtype):
+        pytest.skip(str(M.pack_refused(dtype)))
+    m = _model(kind, dtype, bias=scattered)        # Qwen2's q/k/v bias rides along with one of the two tables
+    r = _runner(m, "bf16" if dtype == torch.bfloat16 else "fp32")
+    assert DS.eligible(m, r.kv) is None
+    step = DS.ScriptedDecode(m, r.kv)
+    nblk = r.kv.blocks_for(CONTEXT + 4)
+    a, b = r.kv.allocate(nblk), r.kv.allocate(nblk)
+    if scattered:                                   # a block table that is not one run of ids
+        a, b = a[::-1], b[1:] + b[:1]
+    toks = [(i * 31 + 7) % m.args.vocab_size for i in range(CONTEXT)]
+    r.prefill(toks, 0, a)
+    r.prefill(toks, 0, b)
+    ta = tb = toks[-1]
+    for i in range(3):
+        pos = CONTEXT + i
+        eager = r.decode([ta], [pos], [a])          # runner.decode_step is None: model.forward
+        scripted = step(tb, pos, b)
+        assert scripted.dtype == torch.float32 and scripted.shape == eager.shape == (1, m.args.vocab_size)
+        assert torch.equal(scripted, eager), f"step {i}: logits differ"
+        ta = tb = int(eager[0].argmax())
+    for x, y in zip(_kv_of(r, a), _kv_of(r, b), strict=True):
+        assert torch.equal(x, y)                    # every layer's K/V, the decoded tokens' included
+
+
+def test_the_runner_takes_the_step_only_with_equal_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = _runner(_model("plain", torch.float32))
+    rep = r.choose_decode_step("script", reps=2)
+    assert r.decode_step is not None and rep["step"] == "torchscript" and rep["bitwise_equal"] is True
+    assert set(rep["median_ms"]) == {"eager", "script"} and r.kv.used_blocks == 0
+    rep = r.choose_decode_step("auto", reps=2)      # taken or not by its speed here; the report says which
+    assert rep["bitwise_equal"] is True and (r.decode_step is not None) == (rep["step"] == "torchscript")
+
+    real = DS.ScriptedDecode.__call__
+
+    def off_by_a_bit(self, tok, pos, table):  # type: ignore[no-untyped-def]
+        out = real(self, tok, pos, table)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(DS.ScriptedDecode, "__call__", off_by_a_bit)
+    rep = r.choose_decode_step("auto", reps=2)
+    assert r.decode_step is None and rep["step"] == "eager" and rep["bitwise_equal"] is False
+    assert "bits differ" in rep["reason"]
+    with pytest.raises(errors.Fatal, match="MODELD_DECODE_STEP=script, but the scripted step's bits differ"):
+        r.choose_decode_step("script", reps=2)
+
+
+def test_the_runner_uses_the_taken_step_for_one_session_only() -> None:
+    r = _runner(_model("plain", torch.float32))
+    r.choose_decode_step("script", reps=1)
+    calls = []
+    real = r.decode_step
+
+    def counted(tok, pos, table):  # type: ignore[no-untyped-def]
+        calls.append(pos)
+        return real(tok, pos, table)
+
+    r.decode_step = counted
+    a, b = r.kv.allocate(2), r.kv.allocate(2)
+    r.prefill([1, 2, 3], 0, a)
+    r.prefill([4, 5, 6], 0, b)
+    one = r.decode([7], [3], [a])
+    assert calls == [3] and one.shape == (1, 96)
+    two = r.decode([8, 9], [4, 3], [a, b])          # a batch: the eager forward
+    assert calls == [3] and two.shape == (2, 96)
+
+
+def test_what_the_step_cannot_serve_decodes_eagerly_with_the_reason() -> None:
+    r = _runner(_model("plain", torch.float32), kv_fmt="int8")
+    rep = r.choose_decode_step("auto")
+    assert r.decode_step is None and "quantized (int8)" in rep["reason"]
+    rep = r.choose_decode_step("script")          # forced, but this cell cannot take it: eager, not a stopped worker
+    assert r.decode_step is None and rep["step"] == "eager" and "quantized (int8)" in rep["reason"]
+    r = _runner(_model("plain", torch.float32))
+    assert r.choose_decode_step("eager")["reason"] == "MODELD_DECODE_STEP=eager" and r.decode_step is None
+    m = _model("plain", torch.float32)
+    m.layers[1].feed_forward.w2 = torch.nn.Linear(128, 64, bias=False)
+    assert DS.eligible(m, _runner(m).kv) == "layer 1 w2 is a Linear"
+
+
+def test_a_sibling_pool_adopts_the_measured_step_after_checking_its_own_bits() -> None:
+    m = _model("plain", torch.float32)
+    r = _runner(m, kv_fmt="bf16")
+    rep = r.choose_decode_step("auto", 1, 64, "the base engine")
+    assert r.decode_step is not None and rep["bitwise_equal"] is True
+    assert rep["reason"] == "the scripted step has the eager bits and the base engine measured it faster"
+    r = _runner(m, kv_fmt="int8")                    # cannot serve: eager, and no error for a sibling
+    assert r.choose_decode_step("script", 1, 64, "the base engine")["step"] == "eager" and r.decode_step is None
+
+
+def test_the_decode_step_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert EngineSettings.from_env().decode_step == "auto"
+    monkeypatch.setenv("MODELD_DECODE_STEP", "Script")
+    assert EngineSettings.from_env().decode_step == "script"
+    monkeypatch.setenv("MODELD_DECODE_STEP", "compiled")
+    with pytest.raises(ValueError, match="MODELD_DECODE_STEP must be auto, script or eager"):
+        EngineSettings.from_env()
