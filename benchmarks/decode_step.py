@@ -6,9 +6,11 @@ Variants, each adding one change to the one before:
   row-path    + model._segmented_row (the same flash calls and merge in fewer ops)
   packed      + oneDNN-packed dense layer weights (model.pack_linears; dense paths only)
   one-thread  + one intra-op thread for a one-session decode step (runner.decode_threads = 1)
+  scripted    + the step's layers as one TorchScript graph (decode_step.py; runner.decode_step)
 The q/k RoPE fusion and the cached causal mask are in every variant (they cannot be switched off); the logits of
 every variant's decoded tokens (the K/V each layer wrote for them) are compared bit for bit with the first
-variant's (``bitwise_equal``).
+variant's (``bitwise_equal``) and with the variant's before it (``bitwise_equal_to_previous_variant``: which change
+moved the bits, if one did).
 
 Each round, per variant: a session over the first --context tokens of the corpus (the prefix cache makes its prefill
 a reuse after the first), --steps greedy tokens decoded, ms/token p50 of those after the first; the variant's figure
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("before", "row-path", "packed", "one-thread")
+VARIANTS = ("before", "row-path", "packed", "one-thread", "scripted")
 
 
 def main() -> None:
@@ -43,6 +45,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["MODELD_WEIGHTS_PATH"] = a.weights_path
     os.environ["MODELD_DECODE_THREADS"] = "auto"
+    os.environ["MODELD_DECODE_STEP"] = "script"      # compiled and checked at start; the variants switch it
     sys.path.insert(0, str(REPO / "benchmarks"))
     import torch
     from cell_cpu import corpus_text
@@ -60,6 +63,7 @@ def main() -> None:
     row_fn = M._segmented_row
     process_threads = torch.get_num_threads()
     packable = eng.config.weights_kernel == "dense"
+    scripted = runner.decode_step
 
     def general_row(q, k, v, q0, scale, seg):  # noqa: ANN001, ANN202
         return M._segmented_attention(q, k, v, q0, scale, seg, row_path=False)
@@ -72,11 +76,13 @@ def main() -> None:
         else:
             M.unpack_linears(model)
         runner.decode_threads = 1 if i >= 3 and process_threads > 1 else None
+        runner.decode_step = scripted if i >= 4 else None
 
     variants = [v for v in VARIANTS if packable or v != "packed"]
     ms: dict[int, dict[str, list[float]]] = {n: {v: [] for v in variants} for n in contexts}
     logits: dict[int, list] = {n: [] for n in contexts}
     equal = {n: True for n in contexts}
+    same: dict[int, dict[str, bool]] = {n: {} for n in contexts}     # each variant's K/V against the variant before
 
     async def run() -> None:
         for r in range(a.rounds):
@@ -92,7 +98,9 @@ def main() -> None:
                     if r == 0:                           # the K/V every layer wrote for the decoded tokens
                         s = eng._session(sid)
                         kv = eng.kv.read_tokens(s.blocks, len(s.tokens) - 1)
+                        prev = logits[n][-1] if logits[n] else kv
                         logits[n].append(kv)
+                        same[n][v] = all(torch.equal(x, y) for x, y in zip(prev, kv, strict=True))
                         equal[n] = equal[n] and all(torch.equal(x, y) for x, y in zip(logits[n][0], kv, strict=True))
                     ms[n][v].append(statistics.median(per[1:]))
                     eng.close_session(sid)
@@ -103,15 +111,18 @@ def main() -> None:
            "host": platform.node(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "loadavg_end": round(os.getloadavg()[0], 2), "weights_kernel": eng.identity["weights_kernel"],
            "process_threads": process_threads, "startup_decode_threads": runner.decode_threads_report,
+           "startup_decode_step": runner.decode_step_report,
            "rss_mib": rss_mib(), "steps": a.steps, "rounds": a.rounds,
            "contexts": {str(n): {"ms_per_token_p50": {v: round(statistics.median(x), 2) for v, x in ms[n].items()},
                                  "rounds": {v: [round(y, 2) for y in x] for v, x in ms[n].items()},
-                                 "bitwise_equal": equal[n]} for n in contexts}}
+                                 "bitwise_equal": equal[n], "bitwise_equal_to_previous_variant": same[n]}
+                        for n in contexts}}
     eng.shutdown()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     for n in contexts:
-        print(n, res["contexts"][str(n)]["ms_per_token_p50"], "bitwise_equal", equal[n])
+        print(n, res["contexts"][str(n)]["ms_per_token_p50"], "bitwise_equal", equal[n], "each to the one before",
+              same[n])
     print(f"wrote {a.out}")
 
 
