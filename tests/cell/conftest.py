@@ -28,13 +28,13 @@ SPEC = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect":
         "contextTier": CONTEXT_TIER, "kvMemoryMiB": 256}
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def scripted_decode_step() -> None:
     """Every cell-tier engine that can serve the scripted decode step serves it (decode_step.py; its bits are checked
     against the eager step's at each start, and a difference stops the engine), not whichever step the start-up
     timing favours on this machine: the exactness tests then always run through it. Cells it cannot serve (a
     quantized KV cache, the Triton or multi-rank runners) decode eagerly, as batched steps and the unit tests'
-    comparisons do."""
+    comparisons do. Package scope: the setting is gone before the next tier's tests run in the same session."""
     before = os.environ.get("MODELD_DECODE_STEP")
     os.environ["MODELD_DECODE_STEP"] = "script"
     yield

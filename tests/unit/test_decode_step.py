@@ -143,6 +143,7 @@ def test_a_sibling_pool_adopts_the_measured_step_after_checking_its_own_bits() -
 
 
 def test_the_decode_step_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MODELD_DECODE_STEP", raising=False)
     assert EngineSettings.from_env().decode_step == "auto"
     monkeypatch.setenv("MODELD_DECODE_STEP", "Script")
     assert EngineSettings.from_env().decode_step == "script"
