@@ -33,6 +33,7 @@ from torch import Tensor
 
 from . import model as M
 from . import quantize as Q
+from .runner import contig_start
 
 PLAIN, PACKED, INT8, INT4 = 0, 1, 2, 3          # how a linear multiplies (``_linear``'s kind)
 
@@ -162,7 +163,8 @@ class ScriptedDecode:
         bs = kv.block_size
         n = pos + 1
         nblk = kv.blocks_for(n)
-        start = table[0] if all(table[i] == table[0] + i for i in range(nblk)) else -1
+        first = contig_start(table, nblk)
+        start = -1 if first is None else first
         positions = torch.tensor([pos], dtype=torch.long, device=dev)
         x = m.tok_embeddings(torch.tensor([tok], dtype=torch.long, device=dev))
         cos, ssin = M.rope_rows(m.rope_cos[positions], m.rope_sin[positions])

@@ -212,8 +212,8 @@ class TorchRunner:
         """Whether a one-session decode step runs as one TorchScript graph (decode_step.py) or eagerly (call on the
         torch thread, after choose_decode_threads). ``setting`` (MODELD_DECODE_STEP): "eager" never scripts;
         "script" takes it untimed wherever this cell can serve it (errors.Fatal when it fails to compile or its bits
-        differ; a cell it cannot serve, such as a quantized KV cache, decodes eagerly, saying why); "auto" measures here, on the
-        loaded model: one session of ``context`` tokens in scratch blocks, its next token decoded ``reps`` times each
+        differ; a cell it cannot serve, such as a quantized KV cache, decodes eagerly, saying why); "auto" measures
+        here, on the loaded model: one session of ``context`` tokens in scratch blocks, its next token decoded ``reps`` times each
         way alternately. The scripted step is taken only when its logits and every layer's K/V for the token equal
         the eager step's bit for bit (exact reuse needs decode == prefill), and under "auto" only when its median is
         the lower. ``measured_by``: another engine over the same weights measured it faster (Engine.sibling); this
@@ -313,7 +313,22 @@ class TorchRunner:
         return logits[0], t_start, meta.sparse_log     # on the device: sampling reads only the ids back
 
     def decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> Tensor:
-        """One token per session: toks[b] at positions[b]. Returns logits [B, V] fp32 on the device."""
+        """One token per session: toks[b] at positions[b]. Returns logits [B, V] fp32 on the device. One session
+        runs at ``decode_threads`` and, when one was taken, through the scripted step (which builds its own tables)."""
+        if len(toks) > 1:
+            return self._decode_forward(toks, positions, tables)
+        step = self.decode_step
+        n = torch.get_num_threads()
+        if self.decode_threads is not None:
+            torch.set_num_threads(self.decode_threads)
+        try:
+            return step(toks[0], positions[0], tables[0]) if step is not None else \
+                self._decode_forward(toks, positions, tables)
+        finally:
+            torch.set_num_threads(n)
+
+    def _decode_forward(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> Tensor:
+        """The eager decode forward: the batch's decode AttnMetadata, then model.py's forward."""
         dev = self.kv.k.device
         seq = [p + 1 for p in positions]
         nblks = [self.kv.blocks_for(s) for s in seq]
@@ -328,18 +343,8 @@ class TorchRunner:
                             block_size=bs, contiguous=[contig_start(t, n) for t, n in zip(tables, nblks, strict=True)],
                             decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch,
                             attend=self.attend)
-        args = (torch.tensor(toks, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-                meta)
-        if len(toks) > 1:
-            return self.forward(*args)
-        step = self.decode_step
-        n = torch.get_num_threads()
-        if self.decode_threads is not None:
-            torch.set_num_threads(self.decode_threads)
-        try:
-            return step(toks[0], positions[0], tables[0]) if step is not None else self.forward(*args)
-        finally:
-            torch.set_num_threads(n)
+        return self.forward(torch.tensor(toks, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
 
 def runner_for(backend: str) -> type[TorchRunner]:
