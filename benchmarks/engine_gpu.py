@@ -118,13 +118,16 @@ async def measure(eng: Engine, prompt: list[int], n: int, device: str) -> dict:
 
 
 def first_logits(eng: Engine, prompt: list[int], chunk: int) -> torch.Tensor:
-    """The last position's logits from the engine's runner, the prompt prefilled in chunks into blocks 0..n of
-    its pool (run after every session closed; nothing else uses the pool then)."""
+    """The last position's logits from the engine's runner, the prompt prefilled in chunks into blocks taken from
+    its pool and given back after (as any session's are)."""
     r = eng.runner
-    blocks = list(range(r.kv.blocks_for(len(prompt))))
-    for s in range(0, len(prompt), chunk):
-        logits, _, _ = r.prefill(prompt[s:s + chunk], s, blocks)
-    return logits.float()
+    blocks = r.kv.allocate(r.kv.blocks_for(len(prompt)))
+    try:
+        for s in range(0, len(prompt), chunk):
+            logits, _, _ = r.prefill(prompt[s:s + chunk], s, blocks)
+        return logits.float()
+    finally:
+        r.kv.free(blocks[::-1])
 
 
 def first_token_check(engines: dict[str, Engine], ref: Engine, prompt: list[int], chunk: int) -> dict:

@@ -11,11 +11,13 @@ thread every forward runs on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -172,31 +174,17 @@ class TorchRunner:
         self.decode_threads_report = rep
         return rep
 
-    def _measure_decode_threads(self, n: int, reps: int, context: int, gap: float = 0.005) -> dict[str, Any]:
-        blocks = self.kv.allocate(self.kv.blocks_for(context + 1))
-        times: dict[int, list[float]] = {n: [], 1: []}
-        first: Tensor | None = None
-        same = True
-        try:
-            toks = [(i * 7919) % self.model.args.vocab_size for i in range(context + 1)]
-            self.prefill(toks[:context], 0, blocks)
-            for _ in range(reps):
-                for th in (n, 1):
-                    time.sleep(gap)          # as between served steps: the scheduler's turn, sampling, the reply
-                    torch.set_num_threads(th)
-                    try:
-                        t0 = time.perf_counter()
-                        logits = self.decode([toks[context]], [context], [blocks])
-                        times[th].append((time.perf_counter() - t0) * 1e3)
-                    finally:
-                        torch.set_num_threads(n)
-                    if first is None:
-                        first = logits
-                    else:
-                        same = same and torch.equal(first, logits)
-        finally:
-            self.kv.free(blocks[::-1])
-        ms = {str(th): round(statistics.median(v[1:] or v), 2) for th, v in times.items()}
+    def _measure_decode_threads(self, n: int, reps: int, context: int) -> dict[str, Any]:
+        @contextlib.contextmanager
+        def threads(th: int) -> Iterator[None]:
+            torch.set_num_threads(th)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(n)
+
+        ms, same = self._decode_alternately({str(n): lambda: threads(n), "1": lambda: threads(1)}, reps, context,
+                                            seed=0, with_kv=False)
         faster = ms["1"] < 0.9 * ms[str(n)]
         if faster and same:
             self.decode_threads = 1
@@ -205,6 +193,42 @@ class TorchRunner:
                   else f"{n} threads decode as fast or faster here")
         return {"threads": self.decode_threads or n, "median_ms": ms, "bitwise_equal": same, "context": context,
                 "reps": reps, "reason": reason}
+
+    def _decode_alternately(self, variants: dict[str, Callable[[], AbstractContextManager[Any]]], reps: int,
+                            context: int, seed: int, with_kv: bool, gap: float = 0.005) -> tuple[dict[str, float], bool]:
+        """The start-up measurements' scaffold: one session of ``context`` tokens (a fixed pseudo-random sequence,
+        offset by ``seed``) prefilled into scratch blocks, then its next token decoded ``reps`` times under each
+        variant in turn (``variants[name]()`` is the context the step runs in), ``gap`` seconds apart as served steps
+        are (the scheduler's turn, sampling, the reply). The same position every time, so the same bits are
+        expected: returns each variant's median ms (the first round dropped as warm-up) and whether every step's
+        logits, and with ``with_kv`` the K/V every layer wrote for the token, equal the first step's bit for bit."""
+        blocks = self.kv.allocate(self.kv.blocks_for(context + 1))
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        first: tuple[Tensor, ...] | None = None
+        same = True
+        bs = self.kv.block_size
+        slot = blocks[context // bs] * bs + context % bs
+        try:
+            toks = [(i * 7919 + seed) % self.model.args.vocab_size for i in range(context + 1)]
+            self.prefill(toks[:context], 0, blocks)
+            for _ in range(reps):
+                for name, enter in variants.items():
+                    time.sleep(gap)
+                    with enter():
+                        t0 = time.perf_counter()
+                        logits = self.decode([toks[context]], [context], [blocks])
+                        times[name].append((time.perf_counter() - t0) * 1e3)
+                    got: tuple[Tensor, ...] = (logits,)
+                    if with_kv:
+                        got += tuple(c.view(c.shape[0], -1, *c.shape[3:])[:, slot].clone()
+                                     for c in (self.kv.k, self.kv.v))
+                    if first is None:
+                        first = got
+                    else:
+                        same = same and all(torch.equal(x, y) for x, y in zip(first, got, strict=True))
+        finally:
+            self.kv.free(blocks[::-1])
+        return {k: round(statistics.median(v[1:] or v), 2) for k, v in times.items()}, same
 
     @torch.no_grad()
     def choose_decode_step(self, setting: str = "auto", reps: int = 5, context: int = 64,
@@ -255,36 +279,17 @@ class TorchRunner:
             raise errors.Fatal(f"MODELD_DECODE_STEP=script, but {why}")
         return rep
 
-    def _measure_decode_step(self, step: Any, reps: int, context: int, gap: float = 0.005) -> dict[str, Any]:
-        blocks = self.kv.allocate(self.kv.blocks_for(context + 1))
-        times: dict[str, list[float]] = {"eager": [], "script": []}
-        first: tuple[Tensor, Tensor, Tensor] | None = None
-        same = True
-        bs = self.kv.block_size
-        slot = blocks[context // bs] * bs + context % bs
-        try:
-            toks = [(i * 7919 + 13) % self.model.args.vocab_size for i in range(context + 1)]
-            self.prefill(toks[:context], 0, blocks)
-            for _ in range(reps):
-                for kind in ("eager", "script"):
-                    time.sleep(gap)          # as between served steps
-                    self.decode_step = step if kind == "script" else None
-                    try:
-                        t0 = time.perf_counter()
-                        logits = self.decode([toks[context]], [context], [blocks])
-                        times[kind].append((time.perf_counter() - t0) * 1e3)
-                    finally:
-                        self.decode_step = None
-                    kv_k = self.kv.k.view(self.kv.k.shape[0], -1, *self.kv.k.shape[3:])[:, slot].clone()
-                    kv_v = self.kv.v.view(self.kv.v.shape[0], -1, *self.kv.v.shape[3:])[:, slot].clone()
-                    if first is None:
-                        first = (logits, kv_k, kv_v)
-                    else:
-                        same = same and all(torch.equal(a, b) for a, b in zip(first, (logits, kv_k, kv_v),
-                                                                             strict=True))
-        finally:
-            self.kv.free(blocks[::-1])
-        ms = {k: round(statistics.median(v[1:] or v), 2) for k, v in times.items()}
+    def _measure_decode_step(self, step: Any, reps: int, context: int) -> dict[str, Any]:
+        @contextlib.contextmanager
+        def stepping(s: Any) -> Iterator[None]:
+            self.decode_step = s
+            try:
+                yield
+            finally:
+                self.decode_step = None
+
+        ms, same = self._decode_alternately({"eager": lambda: stepping(None), "script": lambda: stepping(step)},
+                                            reps, context, seed=13, with_kv=True)
         return {"median_ms": ms, "bitwise_equal": same, "context": context, "reps": reps,
                 "threads": self.decode_threads or torch.get_num_threads()}
 
