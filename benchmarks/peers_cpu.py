@@ -575,6 +575,10 @@ def main() -> None:
         report(json.loads(Path(a.report).read_text()), a.report)
         return
     if a.worker:
+        # Python put this script's folder first on the path, where benchmarks/kernels.py would stand in for the
+        # PyPI package `kernels` that newer transformers imports when it finds one: the worker needs none of it.
+        here = Path(__file__).resolve().parent
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
         job = json.loads(Path(a.job).read_text())
         res = WORKERS[a.worker](job)
         Path(a.result).write_text(json.dumps(res))
