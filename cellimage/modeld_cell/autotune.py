@@ -9,8 +9,14 @@ bf16 paths are candidates only where this process's torch computes bf16 attentio
 
 Each candidate runs, with random weights of the model's real shapes, what one layer of a forward does with its
 weights (the four linears) plus the CPU attention at the compute dtype, and the output head: a decode step (1 row
-over 1,024 cached keys) and a 256-row prefill chunk after 768 cached tokens. The choice minimises the time of the
-agent turn the benchmarks replay, ``TURN_PREFILL`` appended tokens then ``TURN_DECODE`` greedy ones; the report keeps
+over 1,024 cached keys) and a 256-row prefill chunk after 768 cached tokens. A decode step reads every layer's
+weights from memory once, so the decode figure goes through copies of the layer (and of its cached keys) adding up
+to the model's layers, or to ``COLD_BYTES`` at most, which no CPU cache holds: timed on one layer's weights, which
+stay in the cache, a step came out at 15-22 ms where the served step took 41-49 ms (docs/cell-benchmarks.md,
+2026-12-04). A prefill chunk multiplies 256 rows by each weight it reads, so its figure stays one layer's. Dense
+weights are measured as the loader serves them: oneDNN-packed, unless the packed rows round differently by the call's
+row count on this CPU (bf16 with AMX), then plain. The choice minimises the time of the agent turn the benchmarks
+replay, ``TURN_PREFILL`` appended tokens then ``TURN_DECODE`` greedy ones; the report keeps
 every candidate's figures, so a reader sees what was measured and why one won. Norms, RoPE and sampling are left out
 (they cost the same for every candidate, or nearly).
 
@@ -35,7 +41,11 @@ import torch
 from . import errors
 from .profile_gate import hardware, read_measurement, write_measurement
 
-AUTOTUNE_VERSION = 2                         # 2: dense candidates packed as served; one-row decode attention
+AUTOTUNE_VERSION = 3                         # 2: dense candidates packed as served; one-row decode attention;
+                                             # 3: decode through copies of the layer, not one layer kept in the
+                                             #    cache; packed weights measured plain where their rows are not
+                                             #    chunking-invariant (served plain then)
+COLD_BYTES = 256 << 20                       # at most this many bytes of layer copies for the decode figure
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
 
@@ -101,61 +111,92 @@ def _median_ms(fn: Any, reps: int) -> float:
 
 
 def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generator,
-                   head_dense: bool = False, pack: bool = False) -> tuple[list[Any], Any]:
+                   head_dense: bool = False, pack: bool = False, head: bool = True) -> tuple[list[Any], Any]:
     """One layer's four linears and the head, with random weights of the model's shapes, as the cell would run them
     (``head_dense``: the head stays a dense matmul, as quantize.dense_modules leaves a head the file keeps finer;
-    ``pack``: a dense layer linear oneDNN-packed, as loader.pack_and_probe serves it; the head stays plain)."""
+    ``pack``: a dense layer linear oneDNN-packed, as loader.pack_and_probe serves it; the head stays plain;
+    ``head`` False: no head, None in its place)."""
     from .model import RowLinear, can_pack
     from .quantize import quantized_linear
 
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     shapes = [(args.dim, qkv), (args.n_heads * args.head_dim, args.dim), (args.dim, 2 * args.intermediate_size),
-              (args.intermediate_size, args.dim), (args.dim, args.vocab_size)]
+              (args.intermediate_size, args.dim)] + ([(args.dim, args.vocab_size)] if head else [])
     mods = []
     for i, (k, n) in enumerate(shapes):
         lin = RowLinear(k, n, bias=False)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
-        dense = kernel == "dense" or (head_dense and i == len(shapes) - 1)
+        dense = kernel == "dense" or (head_dense and i == 4)
         mod = lin.to(dtype) if dense else quantized_linear(lin, kernel, dtype)
-        if dense and pack and i < len(shapes) - 1 and can_pack(dtype):
+        if dense and pack and i < 4 and can_pack(dtype):
             mod.pack()
         mods.append(mod)
-    return mods[:4], mods[4]
+    return mods[:4], (mods[4] if head else None)
 
 
 @torch.inference_mode()
 def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: bool = False,
             pack: bool = False) -> dict[str, Any]:
-    """One candidate's figures (milliseconds, whole model: one layer's times x layers, plus the head)."""
-    from .model import _segmented_attention
+    """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
+    layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys)."""
+    from .model import _segmented_attention, linears_row_invariant
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = torch.Generator().manual_seed(0)
     linears, head = _layer_modules(args, kernel, dtype, g, head_dense, pack)
+    pack_refused = None
+    if any(_packed(lin) for lin in linears):
+        # as loader.pack_and_probe serves them: packed weights whose rows round differently by call size on this
+        # CPU (bf16 with AMX) are served plain, so they are measured plain
+        pack_refused = linears_row_invariant(zip(("wqkv", "wo", "w13", "w2"), linears, strict=True), dtype,
+                                             torch.Generator().manual_seed(1))
+        if pack_refused is not None:
+            pack = False
+            for lin in linears:
+                lin.unpack()
     hq, hkv, d = args.n_heads, args.n_kv_heads, args.head_dim
     scale = 1.0 / math.sqrt(d)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dtype)
 
-    def layer(rows: int, past: int) -> Any:
+    def layer(rows: int, past: int, copies: int = 1) -> Any:
+        mods = [linears] + [_layer_modules(args, kernel, dtype, g, head_dense, pack, head=False)[0]
+                            for _ in range(copies - 1)]
         xs = [rand(rows, lin.in_features) for lin in linears]
-        q, k, v = rand(rows, hq, d), rand(past + rows, hkv, d), rand(past + rows, hkv, d)
+        q = rand(rows, hq, d)
+        kvs = [(rand(past + rows, hkv, d), rand(past + rows, hkv, d)) for _ in range(copies)]
 
         def run() -> None:
-            for lin, x in zip(linears, xs, strict=True):
-                lin(x)
-            _segmented_attention(q, k, v, past, scale)
+            for lins, (k, v) in zip(mods, kvs, strict=True):
+                for lin, x in zip(lins, xs, strict=True):
+                    lin(x)
+                _segmented_attention(q, k, v, past, scale)
         return run
 
+    copies = layer_copies(args, linears)
     x1 = rand(1, args.dim)
     head_ms = _median_ms(lambda: head(x1), reps)
-    decode = _median_ms(layer(1, DECODE_PAST - 1), reps * 3) * args.n_layers + head_ms
+    decode = _median_ms(layer(1, DECODE_PAST - 1, copies), reps * 3) * args.n_layers / copies + head_ms
     prefill = (_median_ms(layer(PREFILL_ROWS, PREFILL_PAST), reps) * args.n_layers + head_ms) / PREFILL_ROWS
     return {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name,
             "decode_ms": round(decode, 3), "prefill_ms_per_token": round(prefill, 4),
-            "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1)}
+            "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1), "decode_layer_copies": copies,
+            "packed": any(_packed(lin) for lin in linears), "pack_refused": pack_refused}
+
+
+def _packed(lin: Any) -> bool:
+    """A dense layer linear holding its weight oneDNN-packed (RowLinear.pack; not a quantized kernel's codes)."""
+    from .model import RowLinear
+    return isinstance(lin, RowLinear) and lin.packed is not None
+
+
+def layer_copies(args: Any, linears: list[Any]) -> int:
+    """How many copies of one layer's weights and cached keys the decode figure goes through: the model's layer
+    count, or as many as ``COLD_BYTES`` holds (at least one)."""
+    weights = sum(t.numel() * t.element_size() for lin in linears for t in (*lin.parameters(), *lin.buffers()))
+    return max(1, min(args.n_layers, COLD_BYTES // max(1, weights)))
 
 
 # Other processes' busy cores (from /proc/stat, less this process's own CPU time) above which a measurement counts as

@@ -176,13 +176,21 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
             return (f"attention ({w.dtype}): {t} rows at position {q0} differ from the same rows of a one-pass "
                     f"{rows}-row call on this CPU")
     layer = model.layers[0]
-    for name, lin in (("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
-                      ("feed_forward.w13", layer.feed_forward.w13), ("feed_forward.w2", layer.feed_forward.w2)):
-        x = torch.randn(rows, lin.in_features, generator=g).to(w.dtype)
+    return linears_row_invariant((("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
+                                  ("feed_forward.w13", layer.feed_forward.w13),
+                                  ("feed_forward.w2", layer.feed_forward.w2)), w.dtype, g, rows)
+
+
+@torch.no_grad()
+def linears_row_invariant(named: Any, dtype: torch.dtype, g: torch.Generator, rows: int = 512) -> str | None:
+    """Every row of each (name, linear)'s matmul gets the same bits in a call of PROBE_ROWS rows as in a ``rows``-row
+    one (inputs in ``dtype`` from ``g``); None when it holds, else what differed."""
+    for name, lin in named:
+        x = torch.randn(rows, lin.in_features, generator=g).to(dtype)
         full = lin(x)
         for m in PROBE_ROWS:
             if not torch.equal(lin(x[:m]), full[:m]):
-                return (f"{name} ({w.dtype}): the rows of a {m}-row matmul differ from the same rows of a {rows}-row "
+                return (f"{name} ({dtype}): the rows of a {m}-row matmul differ from the same rows of a {rows}-row "
                         "one on this CPU")
     return None
 

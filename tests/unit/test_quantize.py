@@ -8,6 +8,7 @@ timing: the choice is tested on figures the test writes into the cache itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -217,3 +218,37 @@ def test_other_busy_cores_leaves_out_this_process(monkeypatch):
     assert got == pytest.approx(1.0, abs=0.05)
     monkeypatch.setattr(autotune, "machine_busy_s", lambda: None)
     assert autotune.other_busy_cores(100.0, time.process_time(), time.monotonic() - 1.0) is None
+
+
+def test_the_decode_figure_goes_through_a_copy_of_the_layer_per_model_layer_up_to_a_byte_cap(monkeypatch):
+    """A served decode step reads every layer's weights from memory; one layer timed again and again stays in the
+    CPU's cache. So the decode figure goes through distinct copies: as many as the model has layers, fewer when
+    their bytes would pass COLD_BYTES, never none."""
+    args = dataclasses.replace(TINY, n_layers=6)
+    g = torch.Generator().manual_seed(0)
+    linears, head = autotune._layer_modules(args, "dense", torch.float32, g, head=False)
+    assert head is None and len(linears) == 4
+    per_layer = sum(lin.weight.numel() * 4 for lin in linears)
+    assert autotune.layer_copies(args, linears) == args.n_layers
+    monkeypatch.setattr(autotune, "COLD_BYTES", per_layer * (args.n_layers - 1) + 1)
+    assert autotune.layer_copies(args, linears) == args.n_layers - 1
+    monkeypatch.setattr(autotune, "COLD_BYTES", 1)
+    assert autotune.layer_copies(args, linears) == 1
+    monkeypatch.setattr(autotune, "COLD_BYTES", per_layer * 2)
+    r = autotune.measure(args, "dense", "fp32", reps=1)
+    assert r["decode_layer_copies"] == 2 and r["decode_ms"] > 0
+
+
+def test_packed_weights_whose_rows_differ_by_call_size_are_measured_plain(monkeypatch):
+    """The loader serves packed weights plain where their rows are not chunking-invariant (loader.pack_and_probe):
+    the measurement then times them plain too, and says why."""
+    from modeld_cell import model as model_mod
+    if not model_mod.can_pack(torch.float32):
+        pytest.skip("this torch cannot pack fp32 weights on this CPU")
+    r = autotune.measure(TINY, "dense", "fp32", reps=1, pack=True)
+    assert r["packed"] is (r["pack_refused"] is None)
+    monkeypatch.setattr(model_mod, "linears_row_invariant", lambda *a, **k: "wqkv: rows differ (the test says so)")
+    r = autotune.measure(TINY, "dense", "fp32", reps=1, pack=True)
+    assert (r["packed"], r["pack_refused"]) == (False, "wqkv: rows differ (the test says so)")
+    r = autotune.measure(TINY, "q4_1", "fp32", reps=1, pack=True)
+    assert (r["packed"], r["pack_refused"]) == (False, None)       # a quantized kernel's codes are not oneDNN-packed
