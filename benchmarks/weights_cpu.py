@@ -68,12 +68,17 @@ def worker(a: argparse.Namespace) -> dict:
     from modeld_cell.quantize import weights_bytes
 
     contexts = [int(x) for x in a.contexts.split(",")]
+    if a.row_tile is not None:                      # the tile the loader tries when untiled packed rows differ
+        from modeld_cell import model as M
+        M.ROW_TILE = a.row_tile
     t0 = time.perf_counter()
     eng = Engine.from_cell(spec(PATHS[a.path], max(contexts) + 64), quality_cache=a.cache)
-    out: dict = {"path": a.path, "profile_weights": PATHS[a.path], "load_s": round(time.perf_counter() - t0, 1),
+    out: dict = {"path": a.path, "row_tile_tried": a.row_tile, "profile_weights": PATHS[a.path],
+                 "load_s": round(time.perf_counter() - t0, 1),
                  "rss_after_load_mib": rss_mib(), "weights_mib": round(weights_bytes(eng.model) / 2**20, 1),
                  "chosen": f"{eng.config.weights_kernel}-{eng.config.weights}",
                  "weights_layout": eng.identity["weights_kernel"], "exactness_probe": eng.model.chunking_probe,
+                 "reuse_exactness": eng.reuse_report()["exactness"],
                  "quality": [{k: v[k] for k in ("profile", "passed", "failures", "result", "thresholds", "cached")}
                              for v in eng.quality]}
     ids = eng.tokenizer.encode(corpus_text())
@@ -128,19 +133,25 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="ops per profile")
     ap.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "modeld"),
                     help="the quality / autotune cache (the worker's default)")
+    ap.add_argument("--row-tiles", default="",
+                    help="comma-separated row tiles the loader tries where untiled packed rows are not invariant "
+                         "(model.ROW_TILE; 0: none, the weights go plain); each path runs once per tile")
     ap.add_argument("--out", default="_out/weights_cpu.json")
+    ap.add_argument("--row-tile", type=int, help=argparse.SUPPRESS)    # worker mode
     ap.add_argument("--path", help=argparse.SUPPRESS)           # worker mode: one path, JSON on stdout
     a = ap.parse_args()
     if a.path:
         print(json.dumps(worker(a)))
         return
     runs = []
-    for p in a.paths.split(","):
+    tiles: list[int | None] = [int(t) for t in a.row_tiles.split(",")] if a.row_tiles else [None]
+    for p, tile in [(p, t) for p in a.paths.split(",") for t in tiles]:
         if p not in PATHS:
             ap.error(f"unknown path {p!r}; known: {', '.join(PATHS)}")
         env = {**os.environ, "MODELD_WEIGHTS_PATH": p}
         cmd = [sys.executable, __file__, "--path", p, "--contexts", a.contexts, "--decode-tokens",
-               str(a.decode_tokens), "--top", str(a.top), "--cache", a.cache]
+               str(a.decode_tokens), "--top", str(a.top), "--cache", a.cache] + (
+               ["--row-tile", str(tile)] if tile is not None else [])
         load0 = os.getloadavg()[0]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
@@ -151,8 +162,8 @@ def main() -> None:
         run["loadavg_before"] = round(load0, 2)
         runs.append(run)
         c = run["contexts"]
-        print(f"{p:11s} load {run['load_s']:5.1f} s  rss {run['rss_after_load_mib']} MiB  weights "
-              f"{run['weights_mib']} MiB  " + "  ".join(f"{n}: prefill {v['prefill_tok_s']} tok/s decode "
+        print(f"{p:11s} {run['weights_layout']} ({run['reuse_exactness']}) load {run['load_s']:5.1f} s  "
+              f"rss {run['rss_after_load_mib']} MiB  weights {run['weights_mib']} MiB  " + "  ".join(f"{n}: prefill {v['prefill_tok_s']} tok/s decode "
                                                          f"{v['decode_ms_p50']} ms" for n, v in c.items()))
     from modeld_cell.profile_gate import hardware
     res = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "hardware": hardware("cpu"),

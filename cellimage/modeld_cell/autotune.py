@@ -14,8 +14,9 @@ weights from memory once, so the decode figure goes through copies of the layer 
 to the model's layers, or to ``COLD_BYTES`` at most, which no CPU cache holds: timed on one layer's weights, which
 stay in the cache, a step came out at 15-22 ms where the served step took 41-49 ms (docs/cell-benchmarks.md,
 2026-12-04). A prefill chunk multiplies 256 rows by each weight it reads, so its figure stays one layer's. Dense
-weights are measured as the loader serves them: oneDNN-packed, unless the packed rows round differently by the call's
-row count on this CPU (bf16 with AMX), then plain. The choice minimises the time of the agent turn the benchmarks
+weights are measured as the loader serves them: oneDNN-packed; where the packed rows round differently by the call's
+row count on this CPU (bf16 with AMX), in fixed row tiles (model.ROW_TILE) when that makes them invariant, else
+plain. The choice minimises the time of the agent turn the benchmarks
 replay, ``TURN_PREFILL`` appended tokens then ``TURN_DECODE`` greedy ones; the report keeps
 every candidate's figures, so a reader sees what was measured and why one won. Norms, RoPE and sampling are left out
 (they cost the same for every candidate, or nearly).
@@ -43,8 +44,8 @@ from .profile_gate import hardware, read_measurement, write_measurement
 
 AUTOTUNE_VERSION = 3                         # 2: dense candidates packed as served; one-row decode attention;
                                              # 3: decode through copies of the layer, not one layer kept in the
-                                             #    cache; packed weights measured plain where their rows are not
-                                             #    chunking-invariant (served plain then)
+                                             #    cache; packed weights measured as loader.pack_and_probe serves
+                                             #    them: in row tiles, or plain, where untiled rows are not invariant
 COLD_BYTES = 256 << 20                       # at most this many bytes of layer copies for the decode figure
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
@@ -140,21 +141,27 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
             pack: bool = False) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
     layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys)."""
-    from .model import _segmented_attention, linears_row_invariant
+    from .model import ROW_TILE, _segmented_attention, linears_row_invariant
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = torch.Generator().manual_seed(0)
     linears, head = _layer_modules(args, kernel, dtype, g, head_dense, pack)
-    pack_refused = None
+    pack_refused, tile = None, 0
     if any(_packed(lin) for lin in linears):
         # as loader.pack_and_probe serves them: packed weights whose rows round differently by call size on this
-        # CPU (bf16 with AMX) are served plain, so they are measured plain
-        pack_refused = linears_row_invariant(zip(("wqkv", "wo", "w13", "w2"), linears, strict=True), dtype,
-                                             torch.Generator().manual_seed(1))
-        if pack_refused is not None:
-            pack = False
+        # CPU (bf16 with AMX) multiply fixed row tiles where that makes them invariant, else they are served plain
+        def probe() -> str | None:
+            return linears_row_invariant(zip(("wqkv", "wo", "w13", "w2"), linears, strict=True), dtype,
+                                         torch.Generator().manual_seed(1))
+        if (untiled := probe()) is not None:
+            tile = ROW_TILE
             for lin in linears:
-                lin.unpack()
+                lin.tile = tile
+            if (tiled := probe()) is not None:
+                pack_refused, tile, pack = f"{untiled}; in {ROW_TILE}-row tiles: {tiled}", 0, False
+                for lin in linears:
+                    lin.tile = 0
+                    lin.unpack()
     hq, hkv, d = args.n_heads, args.n_kv_heads, args.head_dim
     scale = 1.0 / math.sqrt(d)
 
@@ -164,6 +171,10 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
     def layer(rows: int, past: int, copies: int = 1) -> Any:
         mods = [linears] + [_layer_modules(args, kernel, dtype, g, head_dense, pack, head=False)[0]
                             for _ in range(copies - 1)]
+        for lins in mods:
+            for lin in lins:
+                if _packed(lin):
+                    lin.tile = tile
         xs = [rand(rows, lin.in_features) for lin in linears]
         q = rand(rows, hq, d)
         kvs = [(rand(past + rows, hkv, d), rand(past + rows, hkv, d)) for _ in range(copies)]
@@ -183,7 +194,7 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
     return {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name,
             "decode_ms": round(decode, 3), "prefill_ms_per_token": round(prefill, 4),
             "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1), "decode_layer_copies": copies,
-            "packed": any(_packed(lin) for lin in linears), "pack_refused": pack_refused}
+            "packed": any(_packed(lin) for lin in linears), "row_tile": tile, "pack_refused": pack_refused}
 
 
 def _packed(lin: Any) -> bool:

@@ -12,6 +12,7 @@ from modeld_api.served import not_served
 
 from . import __version__
 from .kernels.sparse_prefill import reference as sparse_ref
+from .model import ROW_TILE
 from .prefix_index import IDENTITY_KEY_FIELDS
 from .quantize import weights_bytes as served_weights_bytes
 from .snapshot import SNAPSHOT_VERSION
@@ -64,6 +65,9 @@ def capability(e: Engine) -> dict:
                     "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
                     "weights_layout": e.identity.get("weights_kernel"),       # as held: e.g. "dense; oneDNN-packed: 120"
                     "weights_pack_refused": getattr(e.model, "pack_refused", None),
+                    # the packed weights multiply fixed row tiles because untiled they were not row-invariant here
+                    "weights_row_tile": ({"rows": ROW_TILE, "reason": why}
+                                         if (why := getattr(e.model, "row_tile_reason", None)) else None),
                     "prefill_chunk": e.settings.prefill_chunk,
                     "max_decode_batch": e.settings.max_decode_batch},
         "model": {"name": e.identity["model_name"], "family": e.identity["model_family"],

@@ -40,14 +40,15 @@ PLAIN, PACKED, INT8, INT4 = 0, 1, 2, 3          # how a linear multiplies (``_li
 
 def _linear(x: Tensor, kind: int, w: Tensor, aux: Tensor | None, bias: Tensor | None, group: int) -> Tensor:
     """A layer linear as the eager module multiplies it. kind: PLAIN 0, PACKED 1, INT8 2, INT4 3 (literals:
-    TorchScript reads no module globals); aux: int8 scales or int4 scales_zeros."""
+    TorchScript reads no module globals); aux: int8 scales or int4 scales_zeros; group: int4's group, or a
+    RowLinear's row tile."""
     if kind == 2:
         assert aux is not None
         return Q.int8_linear(x, w, aux, bias)
     if kind == 3:
         assert aux is not None
         return Q.int4_linear(x, w, group, aux, bias)
-    return M.row_linear(x, w, bias, kind == 1)
+    return M.row_linear(x, w, bias, kind == 1, group)
 
 
 def _past(cache: Tensor, table: Tensor, start: int, n: int, bs: int, dtype: torch.dtype) -> Tensor:
@@ -61,17 +62,17 @@ def _past(cache: Tensor, table: Tensor, start: int, n: int, bs: int, dtype: torc
 
 
 def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kinds: list[int], ws: list[Tensor],
-                  auxs: list[Tensor | None], biases: list[Tensor | None], group: int, kc: list[Tensor],
+                  auxs: list[Tensor | None], biases: list[Tensor | None], groups: list[int], kc: list[Tensor],
                   vc: list[Tensor], slot: Tensor, table: Tensor, start: int, n: int, bs: int, eps: float, hq: int,
                   hkv: int, d: int, inter: int, seg: int, causal: Tensor, zeros: Tensor, scale: float) -> Tensor:
     """Every transformer layer of one session's decode step (model.TransformerBlock.forward with a decode
     AttnMetadata of one session). x: [1, dim] embedded token; cos, ssin: model.rope_rows of its position;
-    norms: 2 per layer (attention, ffn); kinds/ws/auxs/biases: 4 linears per layer (wqkv, wo, w13, w2); kc, vc: each
+    norms: 2 per layer (attention, ffn); kinds/ws/auxs/biases/groups: 4 linears per layer (wqkv, wo, w13, w2); kc, vc: each
     layer's cache [num_blocks, BS, Hkv, D]; slot: [1] the token's flat slot; table: [nblk] int32 block table;
     start: first block when consecutive else -1; n: tokens in the cache after this step. Returns x [1, dim]."""
     for i in range(len(kc)):
         j = 4 * i
-        qkv = _linear(M.rms_norm(x, norms[2 * i], eps), kinds[j], ws[j], auxs[j], biases[j], group)
+        qkv = _linear(M.rms_norm(x, norms[2 * i], eps), kinds[j], ws[j], auxs[j], biases[j], groups[j])
         qk = M.rope_rotate(qkv[:, : (hq + hkv) * d].view(1, hq + hkv, d), cos, ssin)
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hkv) * d :].view(1, hkv, d)
@@ -80,19 +81,20 @@ def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kin
         o = M.segmented_row(q[0:1], _past(kc[i], table, start, n, bs, q.dtype), _past(vc[i], table, start, n, bs,
                                                                                         q.dtype),
                             n - 1, scale, seg, causal, zeros)
-        h = x + _linear(o.reshape(1, hq * d), kinds[j + 1], ws[j + 1], auxs[j + 1], biases[j + 1], group)
+        h = x + _linear(o.reshape(1, hq * d), kinds[j + 1], ws[j + 1], auxs[j + 1], biases[j + 1], groups[j + 1])
         gu = _linear(M.rms_norm(h, norms[2 * i + 1], eps), kinds[j + 2], ws[j + 2], auxs[j + 2], biases[j + 2],
-                     group).split(inter, -1)
-        x = h + _linear(F.silu(gu[0]) * gu[1], kinds[j + 3], ws[j + 3], auxs[j + 3], biases[j + 3], group)
+                     groups[j + 2]).split(inter, -1)
+        x = h + _linear(F.silu(gu[0]) * gu[1], kinds[j + 3], ws[j + 3], auxs[j + 3], biases[j + 3], groups[j + 3])
     return x
 
 
 def _linear_args(mod: torch.nn.Module) -> tuple[int, Tensor, Tensor | None, Tensor | None, int] | None:
-    """(kind, weight, aux, bias, group) of a layer linear, or None when the scripted step cannot multiply it."""
+    """(kind, weight, aux, bias, group or row tile) of a layer linear, or None when the scripted step cannot
+    multiply it."""
     if type(mod) is M.RowLinear:
         if mod.packed is not None:
-            return PACKED, mod.packed, None, mod.bias, 0
-        return PLAIN, mod.weight, None, mod.bias, 0
+            return PACKED, mod.packed, None, mod.bias, mod.tile
+        return PLAIN, mod.weight, None, mod.bias, mod.tile
     if type(mod) is Q.Int8WeightOnlyLinear:
         return INT8, mod.qweight, mod.scales, mod.bias, 0
     if type(mod) is Q.Int4WeightOnlyLinear:
@@ -147,7 +149,7 @@ class ScriptedDecode:
         ws: list[Tensor] = []
         auxs: list[Tensor | None] = []
         biases: list[Tensor | None] = []
-        group = 0
+        groups: list[int] = []
         for layer in m.layers:
             norms += [layer.attention_norm.weight, layer.ffn_norm.weight]
             for mod in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
@@ -158,7 +160,7 @@ class ScriptedDecode:
                 ws.append(args[1])
                 auxs.append(args[2])
                 biases.append(args[3])
-                group = args[4] or group
+                groups.append(args[4])
         eps, hq, hkv, d, inter = self._dims
         bs = kv.block_size
         n = pos + 1
@@ -170,7 +172,7 @@ class ScriptedDecode:
         cos, ssin = M.rope_rows(m.rope_cos[positions], m.rope_sin[positions])
         dtype = m.compute_dtype
         with torch.jit.optimized_execution(False):
-            x = self.fn(x, cos, ssin, norms, kinds, ws, auxs, biases, group,
+            x = self.fn(x, cos, ssin, norms, kinds, ws, auxs, biases, groups,
                         [kv.k_layer(i) for i in range(len(m.layers))], [kv.v_layer(i) for i in range(len(m.layers))],
                         torch.tensor([table[pos // bs] * bs + pos % bs], dtype=torch.long, device=dev),
                         torch.tensor(table[:nblk], dtype=torch.int32, device=dev), start, n, bs, eps, hq, hkv, d,

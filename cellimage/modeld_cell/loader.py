@@ -159,11 +159,13 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
 
 
 def pack_and_probe(model: Transformer) -> None:
-    """Pack the model's dense layer weights for oneDNN (model.pack_linears) and probe them: a packed model whose rows
-    are not chunking-invariant on this CPU is unpacked again (and probed as it then is), so packing never costs the
-    bitwise reuse claim; ``model.pack_refused`` then says what the packed probe found, or why oneDNN could not pack
-    the model's dtype on this CPU (model.pack_refused: bf16 without AVX-512)."""
-    from .model import RowLinear, pack_linears, pack_refused, unpack_linears
+    """Pack the model's dense layer weights for oneDNN (model.pack_linears) and probe them. A packed model whose rows
+    are not chunking-invariant on this CPU (oneDNN's kernel differs by the call's row count: bf16 with AMX) is probed
+    again multiplying fixed ``ROW_TILE``-row blocks (model.tile_linears), and kept so when that passes:
+    ``model.row_tile_reason`` says what the untiled probe found. Otherwise it is unpacked again (and probed as it then
+    is), so packing never costs the bitwise reuse claim; ``model.pack_refused`` then says what the packed probe found,
+    or why oneDNN could not pack the model's dtype on this CPU (model.pack_refused: bf16 without AVX-512)."""
+    from .model import ROW_TILE, RowLinear, pack_linears, pack_refused, tile_linears, unpack_linears
 
     if not pack_linears(model):
         dense = any(isinstance(m, RowLinear) and m.weight is not None for layer in model.layers
@@ -172,11 +174,20 @@ def pack_and_probe(model: Transformer) -> None:
             model.pack_refused = why
         return
     probe_model(model)
-    if model.chunking_probe is not None:
-        model.pack_refused = model.chunking_probe
-        unpack_linears(model)
-        del model.chunking_probe
-        probe_model(model)
+    if model.chunking_probe is None:
+        return
+    untiled = model.chunking_probe
+    tile_linears(model, ROW_TILE)
+    del model.chunking_probe
+    probe_model(model)
+    if model.chunking_probe is None:
+        model.row_tile_reason = untiled
+        return
+    model.pack_refused = f"{untiled}; in {ROW_TILE}-row tiles: {model.chunking_probe}"
+    tile_linears(model, 0)
+    unpack_linears(model)
+    del model.chunking_probe
+    probe_model(model)
 
 
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,

@@ -507,13 +507,16 @@ class RowLinear(nn.Linear):
     Linear): a plain weight is reordered into that layout inside every call, measured at 2-3x the multiply itself for
     a decode step's few rows on cold weights (docs/cell-benchmarks.md). A packed weight's rows are multiplied alone,
     as the quantized kernels' are: the start-up probe (probe_chunking_invariance) measures that one row gets the bits
-    of a 512-row call, and the loader unpacks when it does not."""
+    of a 512-row call. Where it does not (oneDNN's bf16 kernels with AMX differ by row count), ``tile`` makes every
+    call fixed-size row blocks (row_linear) and the probe runs again; the loader unpacks when that fails too."""
 
     packed: Tensor | None
+    tile: int                 # > 0: every call multiplies fixed ``tile``-row blocks (row_linear); 0: the rows as given
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.register_buffer("packed", None, persistent=False)
+        self.tile = 0
 
     def pack(self) -> bool:
         """Hold the weight packed (and no plain copy); False when it stays plain (not a CPU fp32/bf16 weight)."""
@@ -537,21 +540,36 @@ class RowLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is not None:
-            return row_linear(x, self.packed, self.bias, True)
-        return row_linear(x, self.weight, self.bias, False)
+            return row_linear(x, self.packed, self.bias, True, self.tile)
+        return row_linear(x, self.weight, self.bias, False, self.tile)
 
 
-def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool) -> Tensor:
+def _mm(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool) -> Tensor:
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none",
+                                                  torch.jit.annotate(list[int | float | complex | None], []), "")
+    return F.linear(x, weight, bias)
+
+
+def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, tile: int = 0) -> Tensor:
     """RowLinear's multiply (TorchScript-compilable): x [N, in] @ weight^T (+ bias), one CPU row multiplied as two;
-    ``packed``: weight is oneDNN's blocked copy (RowLinear.pack)."""
-    one = x.shape[0] == 1 and x.device.type == "cpu"
+    ``packed``: weight is oneDNN's blocked copy (RowLinear.pack). ``tile`` > 0: the rows go through calls of exactly
+    ``tile`` rows, the last block padded with zero rows, so every row meets the same kernel whatever the size of
+    its call (a CPU whose kernel differs by row count, bf16 with AMX: tile_linears)."""
+    n = x.shape[0]
+    if tile > 0:
+        pad = (tile - n % tile) % tile
+        if pad > 0:
+            x = torch.cat([x, x.new_zeros([pad, x.shape[1]])])
+        ys: list[Tensor] = []
+        for i in range(0, n + pad, tile):
+            ys.append(_mm(x[i : i + tile], weight, bias, packed))
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
+        return y[:n] if pad > 0 else y
+    one = n == 1 and x.device.type == "cpu"
     if one:
         x = torch.cat([x, x])
-    if packed:
-        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none",
-                                               torch.jit.annotate(list[int | float | complex | None], []), "")
-    else:
-        y = F.linear(x, weight, bias)
+    y = _mm(x, weight, bias, packed)
     return y[:1] if one else y
 
 
@@ -564,6 +582,22 @@ def pack_linears(model: Transformer) -> int:
     if n:
         model.weights_layout = f"{getattr(model, 'weights_layout', 'dense')}; oneDNN-packed: {n}"
     return n
+
+
+# The row tile tile_linears sets where a CPU's packed kernel rounds a row by its call's row count (what each tile
+# costs in prefill and decode, measured on an AMX Xeon: docs/cell-benchmarks.md, 2026-12-05).
+ROW_TILE = 32
+
+
+def tile_linears(model: Transformer, tile: int) -> None:
+    """Set every transformer-layer RowLinear's row tile (0: off); the model's ``weights_layout`` says so, since what
+    a tile computes is part of every K/V bit (the cache identity carries the layout)."""
+    for layer in model.layers:
+        for m in layer.modules():
+            if isinstance(m, RowLinear):
+                m.tile = tile
+    layout = getattr(model, "weights_layout", "dense").split("; row tile")[0]
+    model.weights_layout = layout + (f"; row tile {tile}" if tile else "")
 
 
 def unpack_linears(model: Transformer) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from modeld_cell import loader
 from modeld_cell import model as M
@@ -114,20 +115,76 @@ def test_a_dtype_onednn_refuses_is_tried_once_and_stays_plain(monkeypatch: pytes
 
 
 @needs_pack
-def test_a_packed_model_that_fails_the_probe_is_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_packed_model_that_fails_the_probe_untiled_and_tiled_is_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
     def probe(model: M.Transformer) -> str | None:
-        packed = model.layers[0].attention.wqkv.packed is not None
-        calls.append(packed)
-        return "feed_forward.w2 (torch.float32): rows differ" if packed else None
+        wqkv = model.layers[0].attention.wqkv
+        calls.append((wqkv.packed is not None, wqkv.tile))
+        return "feed_forward.w2 (torch.float32): rows differ" if wqkv.packed is not None else None
 
     monkeypatch.setattr(loader, "probe_chunking_invariance", probe)
     m = _tiny()
     loader.pack_and_probe(m)
-    assert calls == [True, False]
-    assert m.pack_refused.startswith("feed_forward.w2") and m.chunking_probe is None
-    assert m.layers[0].attention.wqkv.packed is None and getattr(m, "weights_layout", "dense") == "dense"
+    assert calls == [(True, 0), (True, M.ROW_TILE), (False, 0)]
+    assert m.pack_refused.startswith("feed_forward.w2") and f"in {M.ROW_TILE}-row tiles" in m.pack_refused
+    assert m.chunking_probe is None and not hasattr(m, "row_tile_reason")
+    assert all(lin.packed is None and lin.tile == 0 for lin in m.modules() if isinstance(lin, M.RowLinear))
+    assert getattr(m, "weights_layout", "dense") == "dense"
+
+
+@needs_pack
+def test_a_packed_model_whose_rows_differ_only_untiled_multiplies_fixed_row_tiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 with AMX: oneDNN's kernel rounds a row by its call's row count, packed or plain. Calls of exactly
+    ROW_TILE rows give every row one kernel: the loader keeps the packed weights in tiles when the probe says the
+    tiles are invariant, names the tile in the layout (part of the cache identity) and says why."""
+    calls = []
+
+    def probe(model: M.Transformer) -> str | None:
+        wqkv = model.layers[0].attention.wqkv
+        calls.append((wqkv.packed is not None, wqkv.tile))
+        return None if wqkv.tile else "attention.wqkv (torch.float32): the rows of a 33-row matmul differ"
+
+    monkeypatch.setattr(loader, "probe_chunking_invariance", probe)
+    m = _tiny()
+    loader.pack_and_probe(m)
+    assert calls == [(True, 0), (True, M.ROW_TILE)]
+    assert m.chunking_probe is None and getattr(m, "pack_refused", None) is None
+    assert m.row_tile_reason.startswith("attention.wqkv") and m.weights_layout.endswith(f"; row tile {M.ROW_TILE}")
+    assert all(lin.packed is not None and lin.tile == M.ROW_TILE for layer in m.layers
+               for lin in layer.modules() if isinstance(lin, M.RowLinear))
+    assert m.output.tile == 0                                                  # the head: untouched
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_tile_multiplies_fixed_size_calls_zero_padded(packed: bool, dtype: torch.dtype) -> None:
+    """row_linear with a tile: every call is exactly ``tile`` rows (the last block padded with zero rows), so each
+    row's bits are those of the same row in a tile-row call, whatever the size or offset of the call it came in."""
+    if packed and not M.can_pack(dtype):
+        pytest.skip(str(M.pack_refused(dtype)))
+    g = torch.Generator().manual_seed(0)
+    lin = M.RowLinear(48, 40, bias=True).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 48, generator=g))
+        lin.bias.copy_(torch.randn(40, generator=g))
+    if packed:
+        assert lin.pack()
+    lin.tile = 8
+    x = torch.randn(37, 48, generator=g).to(dtype)
+    w = lin.packed if packed else lin.weight
+    for rows in (1, 3, 8, 9, 37):
+        got = lin(x[:rows])
+        assert got.shape == (rows, 40)
+        for i in range(0, rows, 8):                                            # tile by tile, as the call made them
+            blk = x[i : min(i + 8, rows)]
+            ref = M._mm(torch.cat([blk, blk.new_zeros(8 - blk.shape[0], 48)]), w, lin.bias, packed)
+            assert torch.equal(got[i : i + blk.shape[0]], ref[: blk.shape[0]])
+    full = lin(x)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), lin.packed.to_dense().float() if packed
+                                                      else lin.weight.float(), lin.bias.float()),
+                               rtol=2e-2, atol=0.1)
 
 
 class _Timed(TorchRunner):

@@ -239,16 +239,26 @@ def test_the_decode_figure_goes_through_a_copy_of_the_layer_per_model_layer_up_t
     assert r["decode_layer_copies"] == 2 and r["decode_ms"] > 0
 
 
-def test_packed_weights_whose_rows_differ_by_call_size_are_measured_plain(monkeypatch):
-    """The loader serves packed weights plain where their rows are not chunking-invariant (loader.pack_and_probe):
-    the measurement then times them plain too, and says why."""
+def test_packed_weights_whose_rows_differ_by_call_size_are_measured_as_served(monkeypatch):
+    """The loader serves packed weights in fixed row tiles where untiled rows are not chunking-invariant and the
+    tiles are, else plain (loader.pack_and_probe): the measurement times them the same way, and says why."""
     from modeld_cell import model as model_mod
     if not model_mod.can_pack(torch.float32):
         pytest.skip("this torch cannot pack fp32 weights on this CPU")
     r = autotune.measure(TINY, "dense", "fp32", reps=1, pack=True)
-    assert r["packed"] is (r["pack_refused"] is None)
+    assert r["packed"] and r["pack_refused"] is None
+
+    def differ_untiled(named, *a, **k):
+        named = list(named)
+        return None if all(lin.tile for _, lin in named) else "wqkv: rows differ untiled (the test says so)"
+    monkeypatch.setattr(model_mod, "linears_row_invariant", differ_untiled)
+    r = autotune.measure(TINY, "dense", "fp32", reps=1, pack=True)
+    assert (r["packed"], r["row_tile"], r["pack_refused"]) == (True, model_mod.ROW_TILE, None)
+
     monkeypatch.setattr(model_mod, "linears_row_invariant", lambda *a, **k: "wqkv: rows differ (the test says so)")
     r = autotune.measure(TINY, "dense", "fp32", reps=1, pack=True)
-    assert (r["packed"], r["pack_refused"]) == (False, "wqkv: rows differ (the test says so)")
+    assert (r["packed"], r["row_tile"]) == (False, 0)
+    assert r["pack_refused"] == (f"wqkv: rows differ (the test says so); in {model_mod.ROW_TILE}-row tiles: "
+                                 "wqkv: rows differ (the test says so)")
     r = autotune.measure(TINY, "q4_1", "fp32", reps=1, pack=True)
     assert (r["packed"], r["pack_refused"]) == (False, None)       # a quantized kernel's codes are not oneDNN-packed
