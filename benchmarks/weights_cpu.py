@@ -163,8 +163,9 @@ def main() -> None:
         runs.append(run)
         c = run["contexts"]
         print(f"{p:11s} {run['weights_layout']} ({run['reuse_exactness']}) load {run['load_s']:5.1f} s  "
-              f"rss {run['rss_after_load_mib']} MiB  weights {run['weights_mib']} MiB  " + "  ".join(f"{n}: prefill {v['prefill_tok_s']} tok/s decode "
-                                                         f"{v['decode_ms_p50']} ms" for n, v in c.items()))
+              f"rss {run['rss_after_load_mib']} MiB  weights {run['weights_mib']} MiB  "
+              + "  ".join(f"{n}: prefill {v['prefill_tok_s']} tok/s decode {v['decode_ms_p50']} ms"
+                          for n, v in c.items()))
     from modeld_cell.profile_gate import hardware
     res = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "hardware": hardware("cpu"),
            "host": platform.node(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -141,27 +141,17 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
             pack: bool = False) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
     layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys)."""
-    from .model import ROW_TILE, _segmented_attention, linears_row_invariant
+    from .model import _segmented_attention, linears_row_invariant, settle_packed_rows
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = torch.Generator().manual_seed(0)
     linears, head = _layer_modules(args, kernel, dtype, g, head_dense, pack)
     pack_refused, tile = None, 0
     if any(_packed(lin) for lin in linears):
-        # as loader.pack_and_probe serves them: packed weights whose rows round differently by call size on this
-        # CPU (bf16 with AMX) multiply fixed row tiles where that makes them invariant, else they are served plain
-        def probe() -> str | None:
-            return linears_row_invariant(zip(("wqkv", "wo", "w13", "w2"), linears, strict=True), dtype,
-                                         torch.Generator().manual_seed(1))
-        if (untiled := probe()) is not None:
-            tile = ROW_TILE
-            for lin in linears:
-                lin.tile = tile
-            if (tiled := probe()) is not None:
-                pack_refused, tile, pack = f"{untiled}; in {ROW_TILE}-row tiles: {tiled}", 0, False
-                for lin in linears:
-                    lin.tile = 0
-                    lin.unpack()
+        # as loader.pack_and_probe serves them: in fixed row tiles, or plain, where untiled rows are not invariant
+        tile, _, pack_refused = settle_packed_rows(linears, lambda: linears_row_invariant(
+            zip(("wqkv", "wo", "w13", "w2"), linears, strict=True), dtype, torch.Generator().manual_seed(1)))
+        pack = pack_refused is None
     hq, hkv, d = args.n_heads, args.n_kv_heads, args.head_dim
     scale = 1.0 / math.sqrt(d)
 

@@ -67,8 +67,8 @@ def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kin
                   hkv: int, d: int, inter: int, seg: int, causal: Tensor, zeros: Tensor, scale: float) -> Tensor:
     """Every transformer layer of one session's decode step (model.TransformerBlock.forward with a decode
     AttnMetadata of one session). x: [1, dim] embedded token; cos, ssin: model.rope_rows of its position;
-    norms: 2 per layer (attention, ffn); kinds/ws/auxs/biases/groups: 4 linears per layer (wqkv, wo, w13, w2); kc, vc: each
-    layer's cache [num_blocks, BS, Hkv, D]; slot: [1] the token's flat slot; table: [nblk] int32 block table;
+    norms: 2 per layer (attention, ffn); kinds/ws/auxs/biases/groups: 4 linears per layer (wqkv, wo, w13, w2);
+    kc, vc: each layer's cache [num_blocks, BS, Hkv, D]; slot: [1] the token's flat slot; table: [nblk] int32 block table;
     start: first block when consecutive else -1; n: tokens in the cache after this step. Returns x [1, dim]."""
     for i in range(len(kc)):
         j = 4 * i

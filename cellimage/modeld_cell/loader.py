@@ -165,7 +165,7 @@ def pack_and_probe(model: Transformer) -> None:
     ``model.row_tile_reason`` says what the untiled probe found. Otherwise it is unpacked again (and probed as it then
     is), so packing never costs the bitwise reuse claim; ``model.pack_refused`` then says what the packed probe found,
     or why oneDNN could not pack the model's dtype on this CPU (model.pack_refused: bf16 without AVX-512)."""
-    from .model import ROW_TILE, RowLinear, pack_linears, pack_refused, tile_linears, unpack_linears
+    from .model import RowLinear, pack_linears, pack_refused, settle_packed_rows, tile_linears, unpack_linears
 
     if not pack_linears(model):
         dense = any(isinstance(m, RowLinear) and m.weight is not None for layer in model.layers
@@ -173,21 +173,22 @@ def pack_and_probe(model: Transformer) -> None:
         if dense and (why := pack_refused(model.compute_dtype)) is not None:
             model.pack_refused = why
         return
-    probe_model(model)
-    if model.chunking_probe is None:
-        return
-    untiled = model.chunking_probe
-    tile_linears(model, ROW_TILE)
-    del model.chunking_probe
-    probe_model(model)
-    if model.chunking_probe is None:
+
+    def probe() -> str | None:                     # a fresh verdict on the layout as it now is
+        if hasattr(model, "chunking_probe"):
+            del model.chunking_probe
+        probe_model(model)
+        return model.chunking_probe
+
+    lins = [m for layer in model.layers for m in layer.modules() if isinstance(m, RowLinear)]
+    tile, untiled, refused = settle_packed_rows(lins, probe)
+    if tile:
+        tile_linears(model, tile)                  # the layout names the tile
         model.row_tile_reason = untiled
-        return
-    model.pack_refused = f"{untiled}; in {ROW_TILE}-row tiles: {model.chunking_probe}"
-    tile_linears(model, 0)
-    unpack_linears(model)
-    del model.chunking_probe
-    probe_model(model)
+    elif refused is not None:
+        model.pack_refused = refused
+        unpack_linears(model)                      # the layout drops "oneDNN-packed"
+        probe()                                    # as served: plain
 
 
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,

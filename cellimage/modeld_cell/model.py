@@ -600,6 +600,25 @@ def tile_linears(model: Transformer, tile: int) -> None:
     model.weights_layout = layout + (f"; row tile {tile}" if tile else "")
 
 
+def settle_packed_rows(linears: list[RowLinear], probe: Any) -> tuple[int, str | None, str | None]:
+    """Packed ``linears`` as a CPU cell serves them, decided by ``probe()`` (None: rows invariant, else what
+    differed): untiled when it passes; else in ``ROW_TILE``-row tiles when it passes with them; else unpacked and
+    untiled. Returns (tile, what the untiled probe found, why packing was refused). loader.pack_and_probe and the
+    autotune measurement both go through this, so they time and serve the same layout."""
+    untiled = probe()
+    if untiled is None:
+        return 0, None, None
+    for lin in linears:
+        lin.tile = ROW_TILE
+    tiled = probe()
+    if tiled is None:
+        return ROW_TILE, untiled, None
+    for lin in linears:
+        lin.tile = 0
+        lin.unpack()
+    return 0, untiled, f"{untiled}; in {ROW_TILE}-row tiles: {tiled}"
+
+
 def unpack_linears(model: Transformer) -> None:
     for m in model.modules():
         if isinstance(m, RowLinear):
