@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--row-tiles", default="",
                     help="comma-separated row tiles the loader tries where untiled packed rows are not invariant "
                          "(model.ROW_TILE; 0: none, the weights go plain); each path runs once per tile")
+    ap.add_argument("--heads", default="",
+                    help="comma-separated int8 / dense: a quantized path's head where the file keeps it in Q8_0 "
+                         "(MODELD_INT8_HEAD 1 / 0; quantize.head_kernel); each path runs once per head")
     ap.add_argument("--out", default="_out/weights_cpu.json")
     ap.add_argument("--row-tile", type=int, help=argparse.SUPPRESS)    # worker mode
     ap.add_argument("--path", help=argparse.SUPPRESS)           # worker mode: one path, JSON on stdout
@@ -145,21 +148,28 @@ def main() -> None:
         return
     runs = []
     tiles: list[int | None] = [int(t) for t in a.row_tiles.split(",")] if a.row_tiles else [None]
-    for p, tile in [(p, t) for p in a.paths.split(",") for t in tiles]:
+    heads: list[str | None] = a.heads.split(",") if a.heads else [None]
+    if any(h not in ("int8", "dense") for h in heads if h is not None):
+        ap.error(f"--heads takes int8 and/or dense, got {a.heads!r}")
+    for p, tile, head in [(p, t, h) for p in a.paths.split(",") for t in tiles for h in heads]:
         if p not in PATHS:
             ap.error(f"unknown path {p!r}; known: {', '.join(PATHS)}")
         env = {**os.environ, "MODELD_WEIGHTS_PATH": p}
+        if head is not None:
+            env["MODELD_INT8_HEAD"] = "1" if head == "int8" else "0"
         cmd = [sys.executable, __file__, "--path", p, "--contexts", a.contexts, "--decode-tokens",
                str(a.decode_tokens), "--top", str(a.top), "--cache", a.cache] + (
                ["--row-tile", str(tile)] if tile is not None else [])
         load0 = os.getloadavg()[0]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
-            runs.append({"path": p, "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})
+            runs.append({"path": p, "head_asked": head,
+                         "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})
             print(f"{p}: failed: {runs[-1]['error']}", file=sys.stderr)
             continue
         run = json.loads(r.stdout.strip().splitlines()[-1])
         run["loadavg_before"] = round(load0, 2)
+        run["head_asked"] = head
         runs.append(run)
         c = run["contexts"]
         print(f"{p:11s} {run['weights_layout']} ({run['reuse_exactness']}) load {run['load_s']:5.1f} s  "

@@ -42,10 +42,12 @@ import torch
 from . import errors
 from .profile_gate import hardware, read_measurement, write_measurement
 
-AUTOTUNE_VERSION = 3                         # 2: dense candidates packed as served; one-row decode attention;
+AUTOTUNE_VERSION = 4                         # 2: dense candidates packed as served; one-row decode attention;
                                              # 3: decode through copies of the layer, not one layer kept in the
                                              #    cache; packed weights measured as loader.pack_and_probe serves
                                              #    them: in row tiles, or plain, where untiled rows are not invariant
+                                             # 4: a quantized candidate's head by its own kernel (int8 for a Q8_0
+                                             #    head: quantize.head_kernel), not only the format's or dense
 COLD_BYTES = 256 << 20                       # at most this many bytes of layer copies for the decode figure
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
@@ -112,11 +114,11 @@ def _median_ms(fn: Any, reps: int) -> float:
 
 
 def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generator,
-                   head_dense: bool = False, pack: bool = False, head: bool = True) -> tuple[list[Any], Any]:
+                   head_kernel: str | None = None, pack: bool = False, head: bool = True) -> tuple[list[Any], Any]:
     """One layer's four linears and the head, with random weights of the model's shapes, as the cell would run them
-    (``head_dense``: the head stays a dense matmul, as quantize.dense_modules leaves a head the file keeps finer;
-    ``pack``: a dense layer linear oneDNN-packed, as loader.pack_and_probe serves it; the head stays plain;
-    ``head`` False: no head, None in its place)."""
+    (``head_kernel``: a quantized candidate's head kernel, quantize.head_kernel's ``dense`` or ``int8`` for a head the
+    file keeps finer; None: the candidate's own; ``pack``: a dense layer linear oneDNN-packed, as
+    loader.pack_and_probe serves it; the head stays plain; ``head`` False: no head, None in its place)."""
     from .model import RowLinear, can_pack
     from .quantize import quantized_linear
 
@@ -128,8 +130,9 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
         lin = RowLinear(k, n, bias=False)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
-        dense = kernel == "dense" or (head_dense and i == 4)
-        mod = lin.to(dtype) if dense else quantized_linear(lin, kernel, dtype)
+        kern = head_kernel or kernel if i == 4 and kernel != "dense" else kernel
+        dense = kern == "dense"
+        mod = lin.to(dtype) if dense else quantized_linear(lin, kern, dtype)
         if dense and pack and i < 4 and can_pack(dtype):
             mod.pack()
         mods.append(mod)
@@ -137,7 +140,7 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
 
 
 @torch.inference_mode()
-def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: bool = False,
+def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | None = None,
             pack: bool = False) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
     layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys)."""
@@ -145,7 +148,8 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     g = torch.Generator().manual_seed(0)
-    linears, head = _layer_modules(args, kernel, dtype, g, head_dense, pack)
+    head_kernel = "dense" if kernel == "dense" else head or kernel
+    linears, out = _layer_modules(args, kernel, dtype, g, head_kernel, pack)
     pack_refused, tile = None, 0
     if any(_packed(lin) for lin in linears):
         # as loader.pack_and_probe serves them: in fixed row tiles, or plain, where untiled rows are not invariant
@@ -159,7 +163,7 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
         return torch.randn(*shape, generator=g).to(dtype)
 
     def layer(rows: int, past: int, copies: int = 1) -> Any:
-        mods = [linears] + [_layer_modules(args, kernel, dtype, g, head_dense, pack, head=False)[0]
+        mods = [linears] + [_layer_modules(args, kernel, dtype, g, head_kernel, pack, head=False)[0]
                             for _ in range(copies - 1)]
         for lins in mods:
             for lin in lins:
@@ -178,12 +182,13 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head_dense: 
 
     copies = layer_copies(args, linears)
     x1 = rand(1, args.dim)
-    head_ms = _median_ms(lambda: head(x1), reps)
+    head_ms = _median_ms(lambda: out(x1), reps)
     decode = _median_ms(layer(1, DECODE_PAST - 1, copies), reps * 3) * args.n_layers / copies + head_ms
     prefill = (_median_ms(layer(PREFILL_ROWS, PREFILL_PAST), reps) * args.n_layers + head_ms) / PREFILL_ROWS
     return {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name,
             "decode_ms": round(decode, 3), "prefill_ms_per_token": round(prefill, 4),
-            "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1), "decode_layer_copies": copies,
+            "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1), "head": head_kernel,
+            "head_ms": round(head_ms, 3), "decode_layer_copies": copies,
             "packed": any(_packed(lin) for lin in linears), "row_tile": tile, "pack_refused": pack_refused}
 
 
@@ -235,19 +240,19 @@ def other_busy_cores(busy0: float | None, own0: float, wall0: float) -> float | 
     return max(0.0, (busy1 - busy0 - (time.process_time() - own0)) / wall)
 
 
-def _key(args: Any, cands: list[tuple[str, str]], threads: int, head_dense: bool, pack: bool = False) -> str:
+def _key(args: Any, cands: list[tuple[str, str]], threads: int, head: str | None, pack: bool = False) -> str:
     shapes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                             "intermediate_size", "vocab_size")}
     payload = {"v": AUTOTUNE_VERSION, "hardware": hardware("cpu"), "threads": threads, "shapes": shapes,
-               "candidates": cands, "head_dense": head_dense, "pack": pack}
+               "candidates": cands, "head": head, "pack": pack}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto", head_dense: bool = False,
+def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto", head: str | None = None,
            kernel_ok: bool = True, pack: bool = False) -> Choice:
     """The compute path for ``profile.weights`` = ``weights`` on this CPU. ``forced`` (MODELD_WEIGHTS_PATH) names
     one candidate (``kernel-dtype``) to take without measuring; one that does not serve ``weights`` here is refused.
-    ``head_dense``: a quantized candidate keeps the output head dense (quantize.dense_modules)."""
+    ``head``: a quantized candidate's head kernel (quantize.head_kernel; None: the candidate's own)."""
     cands = candidates(weights, bf16_computes(), kernel_ok)
     names = [f"{k}-{d}" for k, d in cands]
     if forced != "auto":
@@ -261,7 +266,7 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         k, d = cands[0]
         return Choice(k, d, f"profile.weights {weights} pins it", [])
     threads = torch.get_num_threads()
-    key = _key(args, cands, threads, head_dense, pack)
+    key = _key(args, cands, threads, head, pack)
     path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
     rec = read_measurement(path, key, "candidates", list)
     if rec is not None and (rec.get("others_busy_cores") or 0) > MAX_OTHERS_BUSY and quiet_now():
@@ -269,7 +274,7 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
     cached = rec is not None
     if rec is None:
         busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.monotonic()
-        rec = {"key": key, "candidates": [measure(args, k, d, head_dense=head_dense, pack=pack) for k, d in cands],
+        rec = {"key": key, "candidates": [measure(args, k, d, head=head, pack=pack) for k, d in cands],
                "threads": threads, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         busy = other_busy_cores(busy0, own0, wall0)
         if busy is not None:

@@ -54,6 +54,8 @@ class EngineSettings:
     weights_path: str = "auto"                          # MODELD_WEIGHTS_PATH
     # a single-rank CPU cell holds its dense fp32/bf16 layer weights oneDNN-packed (model.RowLinear.pack); 0: plain
     pack_weights: bool = True                           # MODELD_PACK_WEIGHTS
+    # a quantized kernel serves a head the file keeps in Q8_0 with the int8 kernel (quantize.head_kernel); 0: dense
+    int8_head: bool = True                              # MODELD_INT8_HEAD
     # intra-op threads of a one-session decode step: None measures it at start (runner.choose_decode_threads)
     decode_threads: int | None = None                   # MODELD_DECODE_THREADS: auto | a count
     # a one-session CPU decode step as one TorchScript graph (decode_step.py): auto (measured, bits checked at start),
@@ -94,15 +96,21 @@ class EngineSettings:
         if step not in ("auto", "script", "eager"):
             raise ValueError(f"MODELD_DECODE_STEP must be auto, script or eager, got {step!r}")
         s.decode_step = step
-        pack = os.environ.get("MODELD_PACK_WEIGHTS", "1").strip().lower()
-        if pack not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"MODELD_PACK_WEIGHTS must be 1 or 0, got {pack!r}")
-        s.pack_weights = pack in ("1", "true", "yes", "on")
+        s.pack_weights = _switch("MODELD_PACK_WEIGHTS")
+        s.int8_head = _switch("MODELD_INT8_HEAD")
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()
         if mode not in ("auto", "dispatch", "torch"):
             raise ValueError(f"MODELD_DECODE_ATTENTION must be auto, dispatch or torch, got {mode!r}")
         s.decode_attention = mode
         return s
+
+
+def _switch(env: str) -> bool:
+    """An on/off variable, on when unset: 1/0, true/false, yes/no, on/off."""
+    v = os.environ.get(env, "1").strip().lower()
+    if v not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"{env} must be 1 or 0, got {v!r}")
+    return v in ("1", "true", "yes", "on")
 
 
 def _cpu_has_bf16() -> bool:
@@ -145,6 +153,7 @@ class CellConfig:
     weights_storage: str = "fp32"         # what the spec asked for (profile.weights: fp32, int8, q4_1, ...)
     weights_kernel: str = "dense"         # how the weights are multiplied: dense | int8 | q4_1 (autotune.Choice)
     weights_choice: dict | None = None    # the CPU's measured choice of kernel and dtype (autotune.Choice.to_dict)
+    weights_head: str | None = None       # a quantized kernel's head: int8 | dense (quantize.head_kernel); None: own
     kv: str = "fp32"
     kv_memory_mib: int = DEFAULT_KV_MEMORY_MIB
     context_tier: int = 0                 # tokens per session: the spec's contextTier (a test sibling may shrink it)
@@ -217,4 +226,5 @@ class CellConfig:
         if "weights" not in profile:
             out.weights = self.weights    # the compute dtype the device chose (loader.resolve_device) stays
             out.weights_kernel, out.weights_choice = self.weights_kernel, self.weights_choice   # and the kernel
+            out.weights_head = self.weights_head
         return out

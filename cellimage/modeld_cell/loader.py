@@ -136,26 +136,33 @@ def resolve_device(cfg: CellConfig, device: str | None) -> None:
 
 
 def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | None, cache_dir: str | None,
-                        stored_as: dict[str, str] | None = None) -> set[str]:
+                        stored_as: dict[str, str] | None = None) -> tuple[set[str], str | None]:
     """Set ``cfg.weights`` (compute dtype) and ``cfg.weights_kernel`` for a single-rank CPU cell by a measurement
     on this CPU (autotune.choose; cached), or as MODELD_WEIGHTS_PATH names it, and return the modules a quantized
-    kernel leaves dense (quantize.dense_modules). A multi-rank cell keeps the compute dtype its config chose (every
-    rank must compute alike) and multiplies dense. A quantized format with no dense path (int8) on another backend
-    is refused by modeld_api.served before this runs."""
+    kernel leaves dense (quantize.dense_modules) and the head's kernel (quantize.head_kernel; None: the kernel's
+    own). A multi-rank cell keeps the compute dtype its config chose (every rank must compute alike) and multiplies
+    dense. A quantized format with no dense path (int8) on another backend is refused by modeld_api.served before
+    this runs."""
     if cfg.backend != "torch" or cfg.parallelism not in ("single", "data"):
-        return set()
+        return set(), None
     from . import autotune
-    from .quantize import FILE_TYPE, dense_modules
+    from .quantize import FILE_TYPE, dense_modules, head_kernel
 
     forced = settings.weights_path if settings is not None else "auto"
     kernel = autotune.QUANT_KERNEL.get(cfg.weights_storage)
     dense = dense_modules(args, kernel, stored_as) if kernel in FILE_TYPE else set()
+    head = None
+    if kernel in FILE_TYPE:
+        head = head_kernel(args, kernel, stored_as, settings is None or settings.int8_head)
+        if head != "dense":
+            dense.discard("output")
     # a file that stores a layer's linears in another format than the kernel's: its dense paths only
     kernel_ok = not (dense - {"output"})
-    choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head_dense="output" in dense,
-                             kernel_ok=kernel_ok, pack=settings is None or settings.pack_weights)
+    choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head=head, kernel_ok=kernel_ok,
+                             pack=settings is None or settings.pack_weights)
     cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
-    return dense
+    cfg.weights_head = head if choice.kernel != "dense" else None
+    return dense, head
 
 
 def pack_and_probe(model: Transformer) -> None:
@@ -207,14 +214,14 @@ def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
                                 field="model.format")
     # a LoRA adapter (models/lora.py) is read and checked against the model's shapes before the model is built
     adapter = load_adapter(str(cfg.adapter), ckpt.args) if cfg.adapter else None
-    dense = choose_weights_path(cfg, ckpt.args, settings, cache_dir, ckpt.info.get("stored_as"))
+    dense, head = choose_weights_path(cfg, ckpt.args, settings, cache_dir, ckpt.info.get("stored_as"))
     quantized = cfg.weights_kernel != "dense"
     built = torch.float32 if quantized else _DTYPES[cfg.weights]
     model, digest, source_sha = _dense_model(ckpt, cfg, built, layers, adapter)
     model.params_loaded = sum(p.numel() for p in model.parameters())
     if quantized:
         from .quantize import quantize_model
-        quantize_model(model, cfg.weights_kernel, _DTYPES[cfg.weights], dense=dense)
+        quantize_model(model, cfg.weights_kernel, _DTYPES[cfg.weights], dense=dense, head=head)
     return ckpt, model, digest, source_sha, adapter
 
 
@@ -287,22 +294,39 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
         except BaseException:        # refused or failed before the engine took the groups: leave them here
             ranks.leave()
             raise
-    try:
-        return _build_engine(cls, cfg, model_path, settings, quality_cache, layers, gate, rk)
-    except errors.Unsupported as e:
-        fallback = _dense_fallback(cfg, e)
-        if fallback is None:
-            raise
-        refused = {"path": f"{cfg.weights_kernel}-{cfg.weights}", "reason": e.message}
-    # the measured fastest path was a quantized kernel whose quality smoke failed here: the format's fastest dense
-    # path serves it instead, and the capability report's weights_choice says why
-    copy, cfg = cfg.copy, CellConfig.from_spec(cfg.spec)
-    resolve_device(cfg, device)
-    cfg.copy = copy
-    eng = _build_engine(cls, cfg, model_path, dataclasses.replace(settings, weights_path=fallback), quality_cache,
-                        layers, gate, rk)
-    eng.config.weights_choice = {**(eng.config.weights_choice or {}), "refused": refused}
+    refused: list[dict[str, str]] = []
+    while True:
+        try:
+            eng = _build_engine(cls, cfg, model_path, settings, quality_cache, layers, gate, rk)
+            break
+        except errors.Unsupported as e:
+            retry = _fallback(cfg, e, settings)
+            if retry is None:
+                raise
+            path = f"{cfg.weights_kernel}-{cfg.weights}" + (f" (head {cfg.weights_head})" if cfg.weights_head else "")
+            refused.append({"path": path, "reason": e.message})
+            settings = retry
+        # the measured fastest path was a quantized kernel whose quality smoke failed here: with an int8 head, the
+        # measurement again with the head dense; else the format's fastest dense path serves it instead. The
+        # capability report's weights_choice says why
+        copy, cfg = cfg.copy, CellConfig.from_spec(cfg.spec)
+        resolve_device(cfg, device)
+        cfg.copy = copy
+    if refused:
+        eng.config.weights_choice = {**(eng.config.weights_choice or {}), "refused": refused[-1],
+                                     **({"refused_before": refused[:-1]} if len(refused) > 1 else {})}
     return eng
+
+
+def _fallback(cfg: CellConfig, e: errors.Unsupported, settings: EngineSettings) -> EngineSettings | None:
+    """The settings to build with instead when the quantized kernel the measurement chose fails its quality smoke
+    (a refusal naming profile.weights): the int8 head off (the same measurement with the head dense) when the failed
+    kernel served one; else the fastest dense candidate of the measurement (_dense_fallback); None: nothing to
+    fall back to (the refusal stands)."""
+    if e.details.get("field") == "profile.weights" and cfg.weights_head == "int8" and settings.int8_head:
+        return dataclasses.replace(settings, int8_head=False)
+    fallback = _dense_fallback(cfg, e)
+    return None if fallback is None else dataclasses.replace(settings, weights_path=fallback)
 
 
 def _dense_fallback(cfg: CellConfig, e: errors.Unsupported) -> str | None:

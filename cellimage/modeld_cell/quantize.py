@@ -12,6 +12,13 @@ give a row the same bits whatever the other rows of its call (the exactness prob
 measures this on the running CPU), so prefix reuse stays exact. The tied embedding table shares the head's quantized
 rows: a lookup dequantizes only the rows of the tokens asked for.
 
+The output head of a file that keeps it finer than the layers (a Q4_1 GGUF keeps its embedding table in Q8_0) is
+served by the int8 kernel, per output row, unless told dense (``head_kernel``): a decode step reads the whole head,
+and at bf16 it was the largest read of a q4_1 step (8.2 of 37 ms on an AMX Xeon, docs/cell-benchmarks.md). Per-row
+scales are coarser than Q8_0's 32-value blocks, so the head's values move a little: the q4_1 quality smoke measures
+the model as served, head included, and a smoke that fails it is answered by the same kernel with the head dense
+(loader.load_engine).
+
 The quantizer starts from the weights as loaded (fp32): a Q4_1 GGUF's tensors re-quantize to their own blocks (each
 block's minimum and maximum are codes 0 and 15, so the recovered d and m are the file's up to fp32 rounding).
 """
@@ -27,7 +34,7 @@ from torch import Tensor, nn
 FORMATS = ("int8", "q4_1")
 # Bump when what a format's modules compute changes (packing, scales, which modules stay dense): it is part of
 # ``model.weights_layout``, which the cache identity and the quality smoke's measurement key carry.
-QUANTIZE_VERSION = 1
+QUANTIZE_VERSION = 2                     # 2: a head the file keeps in Q8_0 is served int8 (head_kernel)
 Q4_GROUP = 32
 
 
@@ -153,6 +160,8 @@ SOURCES = {"attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn
            "feed_forward.w2": ("mlp.down_proj",)}
 # the GGUF tensor type whose blocks a format's kernel multiplies as they are (int8 is a serving choice, no file type)
 FILE_TYPE = {"q4_1": "Q4_1"}
+# the file types of a head (or tied embedding table) the int8 kernel serves when a file format's layers are coarser
+HEAD_INT8_FROM = ("Q8_0",)
 
 
 def dense_modules(args: Any, fmt: str, stored_as: dict[str, str] | None) -> set[str]:
@@ -173,14 +182,36 @@ def dense_modules(args: Any, fmt: str, stored_as: dict[str, str] | None) -> set[
     return out
 
 
+def head_kernel(args: Any, fmt: str, stored_as: dict[str, str] | None, int8_head: bool = True) -> str:
+    """How ``quantize_model`` serves the output head for ``fmt``: ``fmt`` when the file stores the head as the
+    layers (or names no types: a safetensors checkpoint, or int8, which is no file type); ``int8`` when the file keeps
+    it in an 8-bit block format (HEAD_INT8_FROM) and ``int8_head``; else ``dense``."""
+    want = FILE_TYPE.get(fmt)
+    if want is None or stored_as is None:
+        return fmt
+    have = stored_as.get("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight")
+    if have == want:
+        return fmt
+    return "int8" if int8_head and have in HEAD_INT8_FROM else "dense"
+
+
 @torch.no_grad()
-def quantize_model(model: nn.Module, fmt: str, dtype: torch.dtype, dense: set[str] | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, fmt: str, dtype: torch.dtype, dense: set[str] | None = None,
+                   head: str | None = None) -> nn.Module:
     """Swap every transformer Linear and the output head of a loaded ``Transformer`` (weights in fp32) for ``fmt``'s
     weight-only modules computing in ``dtype``, but those named in ``dense`` (dense_modules), which move to ``dtype``
-    as they are; norms move to ``dtype``, RoPE tables stay fp32. A tied embedding table becomes a lookup into a
-    quantized head. In place; returns the model."""
+    as they are; norms move to ``dtype``, RoPE tables stay fp32. ``head`` (head_kernel: ``fmt``, ``int8`` or
+    ``dense``; None: ``dense`` when ``dense`` names "output", else ``fmt``) is the head's kernel. A tied embedding
+    table becomes a lookup into a quantized head. In place; returns the model."""
     _linear_cls(fmt)
-    dense = dense or set()
+    dense = set(dense or ())
+    if head is None:
+        head = "dense" if "output" in dense else fmt
+    if head == "dense":
+        dense.add("output")
+    else:
+        _linear_cls(head)
+        dense.discard("output")
 
     def swap(name: str, lin: nn.Module, keep_codes: bool = False) -> nn.Module:
         if name in dense:
@@ -204,13 +235,14 @@ def quantize_model(model: nn.Module, fmt: str, dtype: torch.dtype, dense: set[st
         else:
             model.output.weight.data = model.output.weight.data.to(dtype)
     else:
-        head = quantized_linear(model.output, fmt, dtype, keep_codes=tied)
-        model.output = head
+        out = quantized_linear(model.output, head, dtype, keep_codes=tied)
+        model.output = out
         if tied:
-            model.tok_embeddings = QuantEmbedding(head, dtype)
+            model.tok_embeddings = QuantEmbedding(out, dtype)
         else:
             model.tok_embeddings.weight.data = model.tok_embeddings.weight.data.to(dtype)
-    model.weights_layout = f"{fmt} v{QUANTIZE_VERSION}" + (f"; dense: {', '.join(sorted(dense))}" if dense else "")
+    model.weights_layout = (f"{fmt} v{QUANTIZE_VERSION}" + (f"; head {head}" if head not in (fmt, "dense") else "")
+                            + (f"; dense: {', '.join(sorted(dense))}" if dense else ""))
     return model
 
 

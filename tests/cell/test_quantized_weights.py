@@ -47,16 +47,17 @@ def sibling(quant: Engine):
 
 def test_the_kernel_multiplies_the_weights(quant, engine):
     """Every layer's Linears are the format's modules, no fp32 weight is kept, the capability report and the cache
-    identity name the kernel. A Q4_1 GGUF keeps its embedding table in Q8_0, so q4_1 leaves the tied head dense."""
+    identity name the kernel. A Q4_1 GGUF keeps its embedding table in Q8_0, so q4_1 serves the tied head by the
+    int8 kernel (quantize.head_kernel)."""
     fmt, cls = quant.fmt, KERNEL[quant.fmt]
     for layer in quant.model.layers:
         for lin in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
             assert isinstance(lin, cls)
     assert not [n for n, p in quant.model.named_parameters() if p.dtype == torch.float32 and p.dim() == 2]
-    if fmt == "int8":
-        assert isinstance(quant.model.output, cls) and isinstance(quant.model.tok_embeddings, QuantEmbedding)
-    else:
-        assert quant.model.output.weight is quant.model.tok_embeddings.weight      # dense, tied
+    assert isinstance(quant.model.output, Int8WeightOnlyLinear)
+    assert isinstance(quant.model.tok_embeddings, QuantEmbedding)
+    assert (quant.config.weights_head, quant.identity["weights_kernel"].endswith("; head int8")) == (
+        (None, False) if fmt == "int8" else ("int8", True))
     rt = quant.capability()["runtime"]
     assert (rt["weights_kernel"], rt["weights_dtype"], rt["weights_requested"]) == (fmt, DTYPE, fmt)
     assert rt["weights_choice"]["reason"] == f"MODELD_WEIGHTS_PATH={fmt}-{DTYPE}"
@@ -102,3 +103,26 @@ def test_the_quality_gate_measures_against_the_fp32_checkpoint(quant, smollm2_pa
         assert e.value.details["verdict"]["cached"]                # the measurement was not repeated
     finally:
         quant.fp32_weights = None
+
+
+def test_a_q4_1_cell_whose_smoke_fails_with_the_int8_head_is_built_again_with_the_head_dense(smollm2_path, tmp_path,
+                                                                                             monkeypatch):
+    """loader.load_engine: the real smoke runs on the int8 head, fails a threshold no model meets, and the cell is
+    built and smoked again with the head dense (MODELD_INT8_HEAD off) before the refusal stands (the path is forced,
+    so there is no dense candidate to fall back to)."""
+    from modeld_cell import quality
+    seen: list[str] = []
+    real = profile_gate.require
+
+    def spy(eng, *a, **k):
+        seen.append(eng.identity["weights_kernel"])
+        return real(eng, *a, **k)
+    monkeypatch.setattr(profile_gate, "require", spy)
+    monkeypatch.setitem(quality.PROFILE_THRESHOLDS, "weights-q4_1",
+                        {**quality.PROFILE_THRESHOLDS["weights-q4_1"], "greedy_agreement_min": 1.01})
+    spec = {**SPEC, "profile": {**SPEC["profile"], "weights": "q4_1", "kv": DTYPE}}
+    settings = EngineSettings(threads=torch.get_num_threads(), weights_path=f"q4_1-{DTYPE}")
+    with pytest.raises(errors.Unsupported) as e:
+        Engine.from_cell(spec, model_path=smollm2_path, settings=settings, quality_cache=str(tmp_path))
+    assert e.value.details["field"] == "profile.weights"
+    assert [s.removeprefix("q4_1 v").split("; ", 1)[1] for s in seen] == ["head int8", "dense: output"]

@@ -242,11 +242,16 @@ def test_decode_threads_setting_wins(two_threads: None) -> None:
 
 def test_decode_threads_and_pack_settings_are_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     s = EngineSettings.from_env()
-    assert s.decode_threads is None and s.pack_weights is True
+    assert s.decode_threads is None and s.pack_weights is True and s.int8_head is True
     monkeypatch.setenv("MODELD_DECODE_THREADS", "1")
     monkeypatch.setenv("MODELD_PACK_WEIGHTS", "0")
+    monkeypatch.setenv("MODELD_INT8_HEAD", "off")
     s = EngineSettings.from_env()
-    assert s.decode_threads == 1 and s.pack_weights is False
+    assert s.decode_threads == 1 and s.pack_weights is False and s.int8_head is False
+    monkeypatch.setenv("MODELD_INT8_HEAD", "2")
+    with pytest.raises(ValueError, match="MODELD_INT8_HEAD must be 1 or 0"):
+        EngineSettings.from_env()
+    monkeypatch.delenv("MODELD_INT8_HEAD")
     monkeypatch.setenv("MODELD_DECODE_THREADS", "0")
     with pytest.raises(ValueError, match="MODELD_DECODE_THREADS"):
         EngineSettings.from_env()

@@ -22,6 +22,7 @@ from modeld_cell.quantize import (
     Int8WeightOnlyLinear,
     QuantEmbedding,
     dequantize_q4_1,
+    head_kernel,
     quantize_int8,
     quantize_model,
     quantize_q4_1,
@@ -132,6 +133,42 @@ def test_quantize_model_swaps_every_linear(fmt):
     lin = model.layers[1].feed_forward.w2
     x = torch.randn(5, lin.in_features)
     assert rel_rms(lin(x), x @ dense["layers.1.feed_forward.w2"].T) < 0.1
+
+
+def test_the_head_kernel_follows_what_the_file_keeps():
+    """A Q4_1 file's head in Q4_1 takes the layers' kernel; one kept in Q8_0 takes the int8 kernel unless told
+    dense; any other type stays dense; a checkpoint that names no types, or a format with no file type, takes the
+    format's own."""
+    layers = {f"model.layers.{i}.self_attn.q_proj.weight": "Q4_1" for i in range(TINY.n_layers)}
+    head = "model.embed_tokens.weight" if TINY.tie_embeddings else "lm_head.weight"
+    assert head_kernel(TINY, "q4_1", {**layers, head: "Q4_1"}) == "q4_1"
+    assert head_kernel(TINY, "q4_1", {**layers, head: "Q8_0"}) == "int8"
+    assert head_kernel(TINY, "q4_1", {**layers, head: "Q8_0"}, int8_head=False) == "dense"
+    assert head_kernel(TINY, "q4_1", {**layers, head: "F16"}) == "dense"
+    assert head_kernel(TINY, "q4_1", None) == "q4_1"
+    assert head_kernel(TINY, "int8", {**layers, head: "Q8_0"}) == "int8"
+
+
+@pytest.mark.parametrize("head", ["int8", "dense"])
+def test_a_q4_1_model_serves_its_head_by_the_kernel_it_is_given(head):
+    """q4_1 layers with an int8 head: the head and the tied embedding read int8 rows (per-row scales), and the layout
+    says so; with a dense head, the head stays the embedding table, tied, in the compute dtype."""
+    model = tiny_model()
+    w = model.output.weight.detach().clone()
+    quantize_model(model, "q4_1", torch.float32, head=head)
+    assert isinstance(model.layers[0].attention.wqkv, Int4WeightOnlyLinear)
+    tokens = torch.tensor([3, 7, 255])
+    x = torch.randn(2, TINY.dim)
+    if head == "int8":
+        assert isinstance(model.output, Int8WeightOnlyLinear) and isinstance(model.tok_embeddings, QuantEmbedding)
+        assert model.weights_layout == "q4_1 v2; head int8"
+        q, sc = quantize_int8(w)
+        assert torch.equal(model.tok_embeddings(tokens), q[tokens].float() * sc[tokens, None])
+        assert rel_rms(model.output(x), x @ w.T) < 0.02
+    else:
+        assert model.output.weight is model.tok_embeddings.weight and model.output.weight.dtype == torch.float32
+        assert model.weights_layout == "q4_1 v2; dense: output"
+        assert torch.equal(model.tok_embeddings(tokens), w[tokens])
 
 
 def test_quantize_model_refuses_an_unknown_format():
@@ -262,3 +299,43 @@ def test_packed_weights_whose_rows_differ_by_call_size_are_measured_as_served(mo
                                  "wqkv: rows differ (the test says so)")
     r = autotune.measure(TINY, "q4_1", "fp32", reps=1, pack=True)
     assert (r["packed"], r["pack_refused"]) == (False, None)       # a quantized kernel's codes are not oneDNN-packed
+
+
+def test_a_quantized_candidate_times_the_head_it_will_serve():
+    """The head a q4_1 candidate is timed with is the loader's (quantize.head_kernel): int8 or dense as told, the
+    format's own by default; a dense candidate's head is dense whatever the quantized one's."""
+    g = torch.Generator().manual_seed(0)
+    for want, cls in (("int8", Int8WeightOnlyLinear), ("q4_1", Int4WeightOnlyLinear)):
+        _, head = autotune._layer_modules(TINY, "q4_1", torch.float32, g, None if want == "q4_1" else want)
+        assert type(head) is cls
+    _, head = autotune._layer_modules(TINY, "q4_1", torch.float32, g, "dense")
+    assert type(head).__name__ == "RowLinear" and head.weight.dtype == torch.float32
+    assert autotune.measure(TINY, "q4_1", "fp32", reps=1, head="int8")["head"] == "int8"
+    assert autotune.measure(TINY, "dense", "fp32", reps=1, head="int8")["head"] == "dense"
+
+
+def test_a_failed_quality_smoke_falls_back_to_a_dense_head_then_to_the_fastest_dense_path():
+    """loader.load_engine's answer to a quantized kernel whose quality smoke fails (Unsupported naming
+    profile.weights): with an int8 head, the same kernel again with the head dense; else the measurement's fastest
+    dense candidate; a forced path with no candidates, or a refusal of another field, stands."""
+    from modeld_cell import cli
+    from modeld_cell.config import CellConfig, EngineSettings
+    from modeld_cell.loader import _fallback
+    from modeld_cell.settings import Settings
+
+    cfg = CellConfig.from_spec(cli.load_spec(None, Settings()))
+    cfg.weights_kernel, cfg.weights, cfg.weights_head = "q4_1", "bf16", "int8"
+    cfg.weights_choice = {"candidates": [{"name": "dense-fp32", "kernel": "dense", "turn_ms": 30.0},
+                                         {"name": "dense-bf16", "kernel": "dense", "turn_ms": 20.0},
+                                         {"name": "q4_1-bf16", "kernel": "q4_1", "turn_ms": 10.0}]}
+    failed = errors.Unsupported("weights-q4_1 failed its quality smoke (the test says so)", field="profile.weights",
+                                value="q4_1")
+    first = _fallback(cfg, failed, EngineSettings())
+    assert first is not None and first.int8_head is False and first.weights_path == "auto"
+    cfg.weights_head = "dense"                                       # the rebuild's head: failed again
+    second = _fallback(cfg, failed, first)
+    assert second is not None and second.weights_path == "dense-bf16" and second.int8_head is False
+    cfg.weights_head = "int8"
+    assert _fallback(cfg, errors.Unsupported("no", field="profile.kv", value="int4"), EngineSettings()) is None
+    cfg.weights_head, cfg.weights_choice = "dense", {"candidates": []}          # forced: nothing measured
+    assert _fallback(cfg, failed, first) is None
