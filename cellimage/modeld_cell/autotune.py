@@ -47,7 +47,9 @@ AUTOTUNE_VERSION = 4                         # 2: dense candidates packed as ser
                                              #    cache; packed weights measured as loader.pack_and_probe serves
                                              #    them: in row tiles, or plain, where untiled rows are not invariant
                                              # 4: a quantized candidate's head by its own kernel (int8 for a Q8_0
-                                             #    head: quantize.head_kernel), not only the format's or dense
+                                             #    head: quantize.head_kernel), not only the format's or dense; a
+                                             #    candidate whose decoded tokens alone outlast the best turn so far
+                                             #    gets no prefill figure (``pruned``)
 COLD_BYTES = 256 << 20                       # at most this many bytes of layer copies for the decode figure
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
@@ -141,9 +143,13 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
 
 @torch.inference_mode()
 def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | None = None,
-            pack: bool = False) -> dict[str, Any]:
+            pack: bool = False, best_turn_ms: float | None = None) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
-    layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys)."""
+    layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys). The
+    decode step is timed first: when ``TURN_DECODE`` of them already take ``best_turn_ms`` (another candidate's
+    whole turn) or longer, this one cannot win, and its prefill, the slow part to time (q4_1-fp32's took some 7 s of
+    a start on an AMX Xeon), is not timed: ``prefill_ms_per_token`` and ``turn_ms`` are then None and ``pruned``
+    says why."""
     from .model import _segmented_attention, linears_row_invariant, settle_packed_rows
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -184,12 +190,17 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | 
     x1 = rand(1, args.dim)
     head_ms = _median_ms(lambda: out(x1), reps)
     decode = _median_ms(layer(1, DECODE_PAST - 1, copies), reps * 3) * args.n_layers / copies + head_ms
+    rec = {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name, "decode_ms": round(decode, 3),
+           "prefill_ms_per_token": None, "turn_ms": None, "head": head_kernel, "head_ms": round(head_ms, 3),
+           "decode_layer_copies": copies, "packed": any(_packed(lin) for lin in linears), "row_tile": tile,
+           "pack_refused": pack_refused, "pruned": None}
+    if best_turn_ms is not None and TURN_DECODE * decode >= best_turn_ms:
+        rec["pruned"] = (f"its {TURN_DECODE} decoded tokens alone take {TURN_DECODE * decode:.1f} ms, no less than "
+                         f"a whole turn of another candidate ({best_turn_ms:.1f} ms): prefill not timed")
+        return rec
     prefill = (_median_ms(layer(PREFILL_ROWS, PREFILL_PAST), reps) * args.n_layers + head_ms) / PREFILL_ROWS
-    return {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name,
-            "decode_ms": round(decode, 3), "prefill_ms_per_token": round(prefill, 4),
-            "turn_ms": round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1), "head": head_kernel,
-            "head_ms": round(head_ms, 3), "decode_layer_copies": copies,
-            "packed": any(_packed(lin) for lin in linears), "row_tile": tile, "pack_refused": pack_refused}
+    rec.update(prefill_ms_per_token=round(prefill, 4), turn_ms=round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1))
+    return rec
 
 
 def _packed(lin: Any) -> bool:
@@ -274,8 +285,12 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
     cached = rec is not None
     if rec is None:
         busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.monotonic()
-        rec = {"key": key, "candidates": [measure(args, k, d, head=head, pack=pack) for k, d in cands],
-               "threads": threads, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        figures: list[dict[str, Any]] = []
+        for k, d in cands:
+            turns = [r["turn_ms"] for r in figures if r["turn_ms"] is not None]
+            figures.append(measure(args, k, d, head=head, pack=pack, best_turn_ms=min(turns) if turns else None))
+        rec = {"key": key, "candidates": figures, "threads": threads,
+               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         busy = other_busy_cores(busy0, own0, wall0)
         if busy is not None:
             rec["others_busy_cores"] = round(busy, 2)
@@ -285,8 +300,10 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         contended = (f"; measured while other processes kept {rec['others_busy_cores']:.2f} cores busy (over "
                      f"{MAX_OTHERS_BUSY}): measured again at a start that finds the machine quiet")
     rows = rec["candidates"]
-    best = min(rows, key=lambda r: r["turn_ms"])
-    others = ", ".join(f"{r['name']} {r['turn_ms']} ms" for r in rows if r is not best)
+    best = min((r for r in rows if r["turn_ms"] is not None), key=lambda r: r["turn_ms"])
+    others = ", ".join(f"{r['name']} " + (f"{r['turn_ms']} ms" if r["turn_ms"] is not None else
+                                          f"over {TURN_DECODE * r['decode_ms']:.1f} ms (decode alone)")
+                       for r in rows if r is not best)
     reason = (f"measured on this CPU ({threads} threads): a {TURN_PREFILL}-token append + {TURN_DECODE} decoded "
               f"tokens takes {best['turn_ms']} ms ({others}){contended}")
     return Choice(best["kernel"], best["dtype"], reason, rows, cached=cached, key=key)

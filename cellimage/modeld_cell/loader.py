@@ -336,7 +336,7 @@ def _dense_fallback(cfg: CellConfig, e: errors.Unsupported) -> str | None:
     choice = cfg.weights_choice or {}
     if e.details.get("field") != "profile.weights" or cfg.weights_kernel == "dense" or not choice.get("candidates"):
         return None
-    dense = [r for r in choice["candidates"] if r["kernel"] == "dense"]
+    dense = [r for r in choice["candidates"] if r["kernel"] == "dense" and r["turn_ms"] is not None]
     return min(dense, key=lambda r: r["turn_ms"])["name"] if dense else None
 
 

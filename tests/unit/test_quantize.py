@@ -227,6 +227,30 @@ def test_the_choice_is_the_fastest_turn_and_cached(tmp_path, monkeypatch):
     assert not autotune.choose(TINY, "q4_1", str(tmp_path)).cached
 
 
+def test_a_candidate_whose_decode_alone_outlasts_the_best_turn_gets_no_prefill_figure(tmp_path, monkeypatch):
+    """measure times the decode step first and stops there when TURN_DECODE steps already take another candidate's
+    whole turn; choose passes the best turn so far, ranks the rest, and names the pruned one in its reason. The
+    bound is the test's own (a turn of 1 microsecond prunes anything; none prunes nothing)."""
+    r = autotune.measure(TINY, "q4_1", "fp32", reps=1, best_turn_ms=0.001)
+    assert (r["prefill_ms_per_token"], r["turn_ms"]) == (None, None) and r["decode_ms"] > 0
+    assert r["pruned"].startswith(f"its {autotune.TURN_DECODE} decoded tokens alone take")
+    r = autotune.measure(TINY, "q4_1", "fp32", reps=1, best_turn_ms=None)
+    assert r["pruned"] is None and r["turn_ms"] > 0
+    monkeypatch.setattr(autotune, "bf16_computes", lambda: False)
+    monkeypatch.setattr(autotune, "other_busy_cores", lambda *a: 0.0)
+    seen: list[float | None] = []
+    real = autotune.measure
+
+    def spy(*a, **k):
+        seen.append(k.get("best_turn_ms"))
+        return real(*a, **dict(k, best_turn_ms=0.001 if seen[1:] else None))   # the second is pruned
+    monkeypatch.setattr(autotune, "measure", spy)
+    c = autotune.choose(TINY, "q4_1", str(tmp_path))
+    assert seen[0] is None and seen[1] == c.candidates[0]["turn_ms"]
+    assert c.name == "dense-fp32" and c.candidates[1]["turn_ms"] is None
+    assert "q4_1-fp32 over" in c.reason and "(decode alone)" in c.reason
+
+
 def test_a_measurement_made_while_the_machine_was_busy_is_measured_again_once_quiet(tmp_path, monkeypatch):
     """Other processes' load ranks the paths by their load: such a measurement says so, is cached (a busy node's
     every start would measure again otherwise), and is measured again by the first start that finds the machine
