@@ -18,7 +18,8 @@ weights are measured as the loader serves them: oneDNN-packed; where the packed 
 row count on this CPU (bf16 with AMX), in fixed row tiles (model.ROW_TILE) when that makes them invariant, else
 plain. The choice minimises the time of the agent turn the benchmarks
 replay, ``TURN_PREFILL`` appended tokens then ``TURN_DECODE`` greedy ones; the report keeps
-every candidate's figures, so a reader sees what was measured and why one won. Norms, RoPE and sampling are left out
+every candidate's figures, so a reader sees what was measured and why one won. A candidate whose ``TURN_DECODE``
+decode steps alone take a whole turn of one measured before it cannot win and gets no prefill figure (``pruned``). Norms, RoPE and sampling are left out
 (they cost the same for every candidate, or nearly).
 
 The measurement is cached as JSON under ``<cache>/autotune/<key>.json``, keyed by the hardware and torch
