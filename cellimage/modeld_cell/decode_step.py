@@ -178,4 +178,4 @@ class ScriptedDecode:
                         torch.tensor(table[:nblk], dtype=torch.int32, device=dev), start, n, bs, eps, hq, hkv, d,
                         inter, M.ATTN_SEGMENT, M._causal_rows(M.ATTN_SEGMENT, dtype, dev),
                         M._zeros(hkv, M.ATTN_SEGMENT, d, dtype, dev), 1.0 / math.sqrt(d))
-        return m.output(m.norm(x)).float()
+        return m.logits(x)

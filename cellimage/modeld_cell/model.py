@@ -753,6 +753,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_seq_len, D] fp32
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # intra-op threads the head multiplies with when a step runs at fewer (None: the step's own count); see logits
+        self.head_threads: int | None = None
         self.init_rope()
 
     @property
@@ -779,7 +781,24 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv, meta)
         if logits_rows is not None:
             x = x[logits_rows]
-        return self.output(self.norm(x)).float()
+        return self.logits(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """fp32 logits of the last hidden states x [N, dim]: the final norm and the head. A one-session decode step
+        may run its ~3,000 small layer ops on one thread (TorchRunner.choose_decode_threads), but the head is one
+        streaming read of the whole [V, dim] matrix (56 MiB at bf16 for SmolLM2), which a single thread reads at
+        about half the speed two do; with ``head_threads`` set the head runs at that count. Each output element is
+        one row's dot product either way, and the step that takes one thread is checked against the process
+        count's logits bit for bit."""
+        n = self.head_threads
+        was = torch.get_num_threads()
+        if n is None or n == was:
+            return self.output(self.norm(x)).float()
+        torch.set_num_threads(n)
+        try:
+            return self.output(self.norm(x)).float()
+        finally:
+            torch.set_num_threads(was)
 
     # ---- weights
 

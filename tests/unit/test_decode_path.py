@@ -190,10 +190,10 @@ def test_a_row_tile_multiplies_fixed_size_calls_zero_padded(packed: bool, dtype:
 class _Timed(TorchRunner):
     """A runner whose decode takes a stated time per thread count and returns stated logits (the choice's logic)."""
 
-    def __init__(self, ms: dict[int, float], logits: dict[int, float]) -> None:
+    def __init__(self, ms: dict[int, float], logits: dict[int, float], head_saves_ms: float = 0.0) -> None:
         m = _tiny()
         super().__init__(m, PagedKVCache(2, 2, 8, kv_format("fp32"), 1 << 20, 16))
-        self.ms, self.logits = ms, logits
+        self.ms, self.logits, self.head_saves_ms = ms, logits, head_saves_ms
 
     def prefill(self, *a, **kw):  # type: ignore[no-untyped-def]
         return torch.zeros(4), 0.0, []
@@ -201,7 +201,7 @@ class _Timed(TorchRunner):
     def decode(self, toks, positions, tables):  # type: ignore[no-untyped-def]
         import time
         n = torch.get_num_threads()
-        time.sleep(self.ms[n] / 1e3)
+        time.sleep((self.ms[n] - (self.head_saves_ms if self.model.head_threads else 0.0)) / 1e3)
         return torch.full((1, 4), self.logits[n])
 
 
@@ -220,6 +220,36 @@ def test_decode_threads_takes_one_thread_when_faster_and_equal(two_threads: None
     assert float(rep["median_ms"]["1"]) < float(rep["median_ms"]["2"])
     assert torch.get_num_threads() == 2                      # the process count is restored
     assert r.kv.used_blocks == 0                             # the scratch blocks went back
+
+
+def test_decode_threads_runs_the_head_at_the_process_count_when_that_is_faster(two_threads: None) -> None:
+    """A one-thread step whose head at the process count saves time takes that split; one where it saves nothing
+    keeps the head on the step's thread (the test's own times: 12 ms at two threads, 8 at one, 4 with the split)."""
+    r = _Timed({2: 12.0, 1: 8.0}, {2: 1.0, 1: 1.0}, head_saves_ms=4.0)
+    rep = r.choose_decode_threads(None, reps=3)
+    assert r.decode_threads == 1 and r.model.head_threads == 2 and rep["head_threads"] == 2
+    assert set(rep["median_ms"]) == {"2", "1", "1, head at 2"} and rep["reason"].endswith("with the head at 2")
+    r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0}, head_saves_ms=-6.0)
+    rep = r.choose_decode_threads(None, reps=3)
+    assert r.decode_threads == 1 and r.model.head_threads is None and rep["head_threads"] is None
+    r.choose_decode_threads(1)                               # a fixed count runs the head with it
+    assert r.model.head_threads is None
+
+
+def test_the_head_runs_at_head_threads_and_the_step_count_is_restored(two_threads: None) -> None:
+    """Transformer.logits sets the intra-op count for the head alone (what it multiplies with is recorded by a
+    forward hook) and puts the step's count back; without head_threads it leaves the count alone."""
+    m = _tiny()
+    seen: list[int] = []
+    m.output.register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+    x = torch.randn(1, m.args.dim)
+    torch.set_num_threads(1)
+    m.head_threads = 2
+    got = m.logits(x)
+    assert seen == [2] and torch.get_num_threads() == 1 and got.dtype == torch.float32
+    m.head_threads = None
+    m.logits(x)
+    assert seen == [2, 1] and torch.get_num_threads() == 1
 
 
 def test_decode_threads_never_takes_a_count_whose_logits_differ(two_threads: None) -> None:

@@ -117,7 +117,7 @@ class PipelineRunner(MirroredLocal, RankRunner):
         else:
             if rows is not None:
                 x = x[rows]
-            logits = m.output(m.norm(x)).float()
+            logits = m.logits(x)
             if first:
                 return logits
             busy += time.perf_counter() - t_busy
