@@ -17,7 +17,13 @@ stay in the cache, a step came out at 15-22 ms where the served step took 41-49 
 weights are measured as the loader serves them: oneDNN-packed; where the packed rows round differently by the call's
 row count on this CPU (bf16 with AMX), in fixed row tiles (model.ROW_TILE) when that makes them invariant, else
 plain. The choice minimises the time of the agent turn the benchmarks
-replay, ``TURN_PREFILL`` appended tokens then ``TURN_DECODE`` greedy ones; the report keeps
+replay, ``TURN_PREFILL`` appended tokens then ``TURN_DECODE`` greedy ones, with the decode steps at the intra-op
+thread count a one-session step is served at: runner.choose_decode_threads measures that on the loaded model and
+often takes one thread where prefill takes the process count (waking threads for each of a step's small ops costs
+more than they give), and a dense step's weights, read from memory, take longer at one thread than a quantized
+kernel's. So the decode step is timed at both counts; the ranking takes the count an earlier start's step measured,
+or the process count, and the loader ranks again at the count the loaded step took, building the other path once
+where that ranks it first (loader.load_engine), and keeps that count for the next start (record_decode_threads); the report keeps
 every candidate's figures, so a reader sees what was measured and why one won. A candidate whose ``TURN_DECODE``
 decode steps alone take a whole turn of one measured before it cannot win and gets no prefill figure (``pruned``). Norms, RoPE and sampling are left out
 (they cost the same for every candidate, or nearly).
@@ -43,7 +49,7 @@ import torch
 from . import errors
 from .profile_gate import hardware, read_measurement, write_measurement
 
-AUTOTUNE_VERSION = 4                         # 2: dense candidates packed as served; one-row decode attention;
+AUTOTUNE_VERSION = 5                         # 2: dense candidates packed as served; one-row decode attention;
                                              # 3: decode through copies of the layer, not one layer kept in the
                                              #    cache; packed weights measured as loader.pack_and_probe serves
                                              #    them: in row tiles, or plain, where untiled rows are not invariant
@@ -51,6 +57,8 @@ AUTOTUNE_VERSION = 4                         # 2: dense candidates packed as ser
                                              #    head: quantize.head_kernel), not only the format's or dense; a
                                              #    candidate whose decoded tokens alone outlast the best turn so far
                                              #    gets no prefill figure (``pruned``)
+                                             # 5: the decode figure at one thread as well as at the process count,
+                                             #    ranked at the count the served step takes (rank)
 COLD_BYTES = 256 << 20                       # at most this many bytes of layer copies for the decode figure
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
@@ -69,6 +77,7 @@ class Choice:
     candidates: list[dict[str, Any]]    # each: name, kernel, dtype, decode_ms, prefill_ms_per_token, turn_ms
     cached: bool = False
     key: str = ""
+    decode_threads: int | None = None   # the intra-op count whose decode figures ranked them (rank)
 
     @property
     def name(self) -> str:
@@ -146,10 +155,13 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
 def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | None = None,
             pack: bool = False, best_turn_ms: float | None = None) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
-    layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys). The
-    decode step is timed first: when ``TURN_DECODE`` of them already take ``best_turn_ms`` (another candidate's
-    whole turn) or longer, this one cannot win, and its prefill, the slow part to time (q4_1-fp32's took some 7 s of
-    a start on an AMX Xeon), is not timed: ``prefill_ms_per_token`` and ``turn_ms`` are then None and ``pruned``
+    layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys), the
+    decode step at the process count and at one thread (``decode_ms_by_threads``; one thread's with the head at the
+    faster count, as runner.choose_decode_threads serves it), and the turn at each (``turn_ms_by_threads``;
+    ``decode_ms`` and ``turn_ms`` are the process count's). The decode step is timed first: when ``TURN_DECODE``
+    of them (at the faster count) already take ``best_turn_ms`` (another candidate's whole turn) or longer, this one
+    cannot win, and its prefill, the slow part to time (q4_1-fp32's took some 7 s of a start on an AMX Xeon), is not
+    timed: ``prefill_ms_per_token`` and ``turn_ms`` are then None and ``pruned``
     says why."""
     from .model import _segmented_attention, linears_row_invariant, settle_packed_rows
 
@@ -189,19 +201,78 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | 
 
     copies = layer_copies(args, linears)
     x1 = rand(1, args.dim)
-    head_ms = _median_ms(lambda: out(x1), reps)
-    decode = _median_ms(layer(1, DECODE_PAST - 1, copies), reps * 3) * args.n_layers / copies + head_ms
-    rec = {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name, "decode_ms": round(decode, 3),
-           "prefill_ms_per_token": None, "turn_ms": None, "head": head_kernel, "head_ms": round(head_ms, 3),
+    run = layer(1, DECODE_PAST - 1, copies)
+    n = torch.get_num_threads()
+    layers_ms, head_at = {}, {}
+    try:
+        for c in dict.fromkeys((n, 1)):
+            torch.set_num_threads(c)
+            head_at[c] = _median_ms(lambda: out(x1), reps)
+            layers_ms[c] = _median_ms(run, reps * 3) * args.n_layers / copies
+    finally:
+        torch.set_num_threads(n)
+    head_ms = head_at[n]
+    # at one thread, the head at whichever count is faster: runner.choose_decode_threads may run it at the process
+    # count while the layers take one
+    by_threads = {str(c): round(layers_ms[c] + (head_ms if c == n else min(head_at.values())), 3) for c in layers_ms}
+    decode = by_threads[str(n)]
+    rec = {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name, "decode_ms": decode,
+           "prefill_ms_per_token": None, "turn_ms": None, "decode_ms_by_threads": by_threads,
+           "turn_ms_by_threads": None, "head": head_kernel, "head_ms": round(head_ms, 3),
            "decode_layer_copies": copies, "packed": any(_packed(lin) for lin in linears), "row_tile": tile,
            "pack_refused": pack_refused, "pruned": None}
-    if best_turn_ms is not None and TURN_DECODE * decode >= best_turn_ms:
-        rec["pruned"] = (f"its {TURN_DECODE} decoded tokens alone take {TURN_DECODE * decode:.1f} ms, no less than "
+    fastest = min(by_threads.values())
+    if best_turn_ms is not None and TURN_DECODE * fastest >= best_turn_ms:
+        rec["pruned"] = (f"its {TURN_DECODE} decoded tokens alone take {TURN_DECODE * fastest:.1f} ms, no less than "
                          f"a whole turn of another candidate ({best_turn_ms:.1f} ms): prefill not timed")
         return rec
     prefill = (_median_ms(layer(PREFILL_ROWS, PREFILL_PAST), reps) * args.n_layers + head_ms) / PREFILL_ROWS
-    rec.update(prefill_ms_per_token=round(prefill, 4), turn_ms=round(TURN_PREFILL * prefill + TURN_DECODE * decode, 1))
+    turns = {c: round(TURN_PREFILL * prefill + TURN_DECODE * d, 1) for c, d in by_threads.items()}
+    rec.update(prefill_ms_per_token=round(prefill, 4), turn_ms=turns[str(n)], turn_ms_by_threads=turns)
     return rec
+
+
+def turn_ms(r: dict[str, Any], threads: int) -> float | None:
+    """A measured candidate's turn with its decode steps at ``threads`` intra-op threads: the figure at that count,
+    or at the process count where that count was not measured (a record from before version 5 has no other); None
+    for a pruned candidate."""
+    return (r.get("turn_ms_by_threads") or {}).get(str(threads), r["turn_ms"])
+
+
+def decode_ms(r: dict[str, Any], threads: int) -> float:
+    return (r.get("decode_ms_by_threads") or {}).get(str(threads), r["decode_ms"])
+
+
+def rank(rec: dict[str, Any], decode_threads: int, why: str, cached: bool = False) -> Choice:
+    """The candidate of a measurement record (choose's) with the shortest turn when a one-session step decodes at
+    ``decode_threads`` threads (``why`` says where that count comes from). Prefill keeps the process count."""
+    threads = rec["threads"]
+    contended = ""
+    if (rec.get("others_busy_cores") or 0) > MAX_OTHERS_BUSY:
+        contended = (f"; measured while other processes kept {rec['others_busy_cores']:.2f} cores busy (over "
+                     f"{MAX_OTHERS_BUSY}): measured again at a start that finds the machine quiet")
+    rows = rec["candidates"]
+    best = min((r for r in rows if turn_ms(r, decode_threads) is not None), key=lambda r: turn_ms(r, decode_threads))
+    others = ", ".join(f"{r['name']} " + (f"{turn_ms(r, decode_threads)} ms" if r["turn_ms"] is not None else
+                                          f"over {TURN_DECODE * decode_ms(r, decode_threads):.1f} ms (decode alone)")
+                       for r in rows if r is not best)
+    reason = (f"measured on this CPU ({threads} threads; decoding at {decode_threads}, {why}): a {TURN_PREFILL}-token "
+              f"append + {TURN_DECODE} decoded tokens takes {turn_ms(best, decode_threads)} ms ({others}){contended}")
+    return Choice(best["kernel"], best["dtype"], reason, rows, cached=cached, key=rec["key"],
+                  decode_threads=decode_threads)
+
+
+def record_decode_threads(cache_dir: str | None, key: str, threads: int) -> bool:
+    """Keep in the measurement record ``key`` the count a one-session step of the chosen path took at start
+    (runner.choose_decode_threads), so that the next choose ranks the candidates at it. False where there is no
+    such record (no cache)."""
+    path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
+    rec = read_measurement(path, key, "candidates", list)
+    if rec is None:
+        return False
+    if rec.get("decode_threads") != threads:
+        write_measurement(path, {**rec, "decode_threads": threads})
+    return True
 
 
 def _packed(lin: Any) -> bool:
@@ -261,10 +332,13 @@ def _key(args: Any, cands: list[tuple[str, str]], threads: int, head: str | None
 
 
 def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto", head: str | None = None,
-           kernel_ok: bool = True, pack: bool = False) -> Choice:
+           kernel_ok: bool = True, pack: bool = False, decode_threads: int | None = None) -> Choice:
     """The compute path for ``profile.weights`` = ``weights`` on this CPU. ``forced`` (MODELD_WEIGHTS_PATH) names
     one candidate (``kernel-dtype``) to take without measuring; one that does not serve ``weights`` here is refused.
-    ``head``: a quantized candidate's head kernel (quantize.head_kernel; None: the candidate's own)."""
+    ``head``: a quantized candidate's head kernel (quantize.head_kernel; None: the candidate's own).
+    ``decode_threads`` (MODELD_DECODE_THREADS as a count): the count a one-session step decodes at; None (auto):
+    the count an earlier start's step measured (record_decode_threads), else the process count; the loader ranks
+    again at the count the served step then takes (loader.load_engine)."""
     cands = candidates(weights, bf16_computes(), kernel_ok)
     names = [f"{k}-{d}" for k, d in cands]
     if forced != "auto":
@@ -288,7 +362,7 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.monotonic()
         figures: list[dict[str, Any]] = []
         for k, d in cands:
-            turns = [r["turn_ms"] for r in figures if r["turn_ms"] is not None]
+            turns = [min(r["turn_ms_by_threads"].values()) for r in figures if r["turn_ms"] is not None]
             figures.append(measure(args, k, d, head=head, pack=pack, best_turn_ms=min(turns) if turns else None))
         rec = {"key": key, "candidates": figures, "threads": threads,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -296,15 +370,11 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         if busy is not None:
             rec["others_busy_cores"] = round(busy, 2)
         write_measurement(path, rec)
-    contended = ""
-    if (rec.get("others_busy_cores") or 0) > MAX_OTHERS_BUSY:
-        contended = (f"; measured while other processes kept {rec['others_busy_cores']:.2f} cores busy (over "
-                     f"{MAX_OTHERS_BUSY}): measured again at a start that finds the machine quiet")
-    rows = rec["candidates"]
-    best = min((r for r in rows if r["turn_ms"] is not None), key=lambda r: r["turn_ms"])
-    others = ", ".join(f"{r['name']} " + (f"{r['turn_ms']} ms" if r["turn_ms"] is not None else
-                                          f"over {TURN_DECODE * r['decode_ms']:.1f} ms (decode alone)")
-                       for r in rows if r is not best)
-    reason = (f"measured on this CPU ({threads} threads): a {TURN_PREFILL}-token append + {TURN_DECODE} decoded "
-              f"tokens takes {best['turn_ms']} ms ({others}){contended}")
-    return Choice(best["kernel"], best["dtype"], reason, rows, cached=cached, key=key)
+    if decode_threads in (1, threads):
+        return rank(rec, decode_threads, "MODELD_DECODE_THREADS", cached)
+    if decode_threads is not None:
+        return rank(rec, threads, f"MODELD_DECODE_THREADS={decode_threads} is not measured: the process count",
+                    cached)
+    if rec.get("decode_threads"):
+        return rank(rec, rec["decode_threads"], "as a loaded one-session step measured it at a start here", cached)
+    return rank(rec, threads, "the process count, until a start measures its decode step", cached)

@@ -159,7 +159,8 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
     # a file that stores a layer's linears in another format than the kernel's: its dense paths only
     kernel_ok = not (dense - {"output"})
     choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head=head, kernel_ok=kernel_ok,
-                             pack=settings is None or settings.pack_weights)
+                             pack=settings is None or settings.pack_weights,
+                             decode_threads=settings.decode_threads if settings is not None else None)
     cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
     cfg.weights_head = head if choice.kernel != "dense" else None
     return dense, head
@@ -295,10 +296,10 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
             ranks.leave()
             raise
     refused: list[dict[str, str]] = []
+    first: dict[str, Any] | None = None
     while True:
         try:
             eng = _build_engine(cls, cfg, model_path, settings, quality_cache, layers, gate, rk)
-            break
         except errors.Unsupported as e:
             retry = _fallback(cfg, e, settings)
             if retry is None:
@@ -306,16 +307,55 @@ def load_engine(cls: type[Engine], spec: CellSpec | Mapping[str, Any], model_pat
             path = f"{cfg.weights_kernel}-{cfg.weights}" + (f" (head {cfg.weights_head})" if cfg.weights_head else "")
             refused.append({"path": path, "reason": e.message})
             settings = retry
+        else:
+            if first is not None or refused:
+                break
+            first = _rank_at_served_threads(eng, quality_cache)
+            if first is None:
+                break
+            # the measurement ranks another path first at the count the loaded step decodes at: build again, the
+            # measurement now ranking at that count (once; the next start ranks at it from the start)
+            eng.shutdown()
         # the measured fastest path was a quantized kernel whose quality smoke failed here: with an int8 head, the
         # measurement again with the head dense; else the format's fastest dense path serves it instead. The
         # capability report's weights_choice says why
         copy, cfg = cfg.copy, CellConfig.from_spec(cfg.spec)
         resolve_device(cfg, device)
         cfg.copy = copy
+    if first is not None:
+        eng.config.weights_choice = {**(eng.config.weights_choice or {}), "first_choice": first}
     if refused:
         eng.config.weights_choice = {**(eng.config.weights_choice or {}), "refused": refused[-1],
                                      **({"refused_before": refused[:-1]} if len(refused) > 1 else {})}
     return eng
+
+
+def _rank_at_served_threads(eng: Engine, cache_dir: str | None) -> dict[str, Any] | None:
+    """After a start whose path the measurement chose (autotune.choose): the count a one-session decode step of
+    the loaded model took (runner.choose_decode_threads) is kept in the measurement's record, and the next
+    measurement-chosen build ranks the candidates at it. Where the ranking assumed another count and ranks another
+    path first at this one, returns what was chosen first and why (the caller builds again); else None, the
+    engine's weights_choice then ranked at the served count."""
+    from . import autotune
+
+    choice = eng.config.weights_choice or {}
+    rep = eng.runner.decode_threads_report or {}
+    served = rep.get("threads")
+    if (not choice.get("candidates") or not choice.get("key") or served is None
+            or served == choice.get("decode_threads") or rep.get("reason") == "MODELD_DECODE_THREADS"):
+        return None
+    kept = autotune.record_decode_threads(cache_dir, choice["key"], served)
+    rec = {"key": choice["key"], "candidates": choice["candidates"], "threads": rep["process_threads"]}
+    again = autotune.rank(rec, served, "as the loaded step measured at this start", choice.get("cached", False))
+    if again.name == choice["name"] or not kept:
+        eng.config.weights_choice = again.to_dict() | (
+            {} if again.name == choice["name"] else
+            {"kernel": choice["kernel"], "dtype": choice["dtype"], "name": choice["name"],
+             "reason": f"{choice['reason']}; at {served} (the loaded step's count) {again.name} would rank first, "
+                       f"but with no cache to keep that count in, this start serves what it built"})
+        return None
+    return {"name": choice["name"], "decode_threads": choice["decode_threads"], "reason": choice["reason"],
+            "served_decode_threads": served}
 
 
 def _fallback(cfg: CellConfig, e: errors.Unsupported, settings: EngineSettings) -> EngineSettings | None:
@@ -331,13 +371,15 @@ def _fallback(cfg: CellConfig, e: errors.Unsupported, settings: EngineSettings) 
 
 def _dense_fallback(cfg: CellConfig, e: errors.Unsupported) -> str | None:
     """The dense path to build instead when the quantized kernel the measurement chose fails its quality smoke:
-    the fastest dense candidate of the same measurement. None when the kernel was forced (MODELD_WEIGHTS_PATH) or
+    the fastest dense candidate of the same measurement (at the decode count it ranked at). None when the kernel was forced (MODELD_WEIGHTS_PATH) or
     the format has no dense path (int8)."""
     choice = cfg.weights_choice or {}
     if e.details.get("field") != "profile.weights" or cfg.weights_kernel == "dense" or not choice.get("candidates"):
         return None
+    from .autotune import turn_ms
+    at = choice.get("decode_threads")            # the count the measurement ranked at (autotune.rank)
     dense = [r for r in choice["candidates"] if r["kernel"] == "dense" and r["turn_ms"] is not None]
-    return min(dense, key=lambda r: r["turn_ms"])["name"] if dense else None
+    return min(dense, key=lambda r: turn_ms(r, at) if at else r["turn_ms"])["name"] if dense else None
 
 
 def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, settings: EngineSettings,

@@ -126,3 +126,52 @@ def test_a_q4_1_cell_whose_smoke_fails_with_the_int8_head_is_built_again_with_th
         Engine.from_cell(spec, model_path=smollm2_path, settings=settings, quality_cache=str(tmp_path))
     assert e.value.details["field"] == "profile.weights"
     assert [s.removeprefix("q4_1 v").split("; ", 1)[1] for s in seen] == ["head int8", "dense: output"]
+
+
+def test_a_path_ranked_first_at_the_served_decode_count_is_built_instead(smollm2_path, tmp_path, monkeypatch):
+    """`auto` ranks the paths before the model is loaded, at the count an earlier start's step decoded at or the
+    process count; the loaded step's count is measured after (runner.choose_decode_threads). Where the ranking at
+    that count names another path, the start builds that one instead (once) and keeps the count, so the next start
+    ranks at it and builds once. The figures and the step's count are the test's own (the measurement and the
+    thread choice are replaced), the loads are real."""
+    from modeld_cell import loader
+    from modeld_cell.runner import TorchRunner
+
+    turns = {"dense-fp32": {"2": 1000.0, "1": 1500.0}, "q4_1-fp32": {"2": 1100.0, "1": 1200.0}}
+    monkeypatch.setattr(autotune, "bf16_computes", lambda: False)
+    monkeypatch.setattr(autotune, "other_busy_cores", lambda *a: 0.0)
+    monkeypatch.setattr(autotune, "measure", lambda args, k, d, **kw: {
+        "name": f"{k}-{d}", "kernel": k, "dtype": d, "prefill_ms_per_token": 1.0, "decode_ms": 0.0,
+        "turn_ms": turns[f"{k}-{d}"]["2"], "decode_ms_by_threads": {"2": 0.0, "1": 0.0},
+        "turn_ms_by_threads": turns[f"{k}-{d}"]})
+
+    def one_thread(self, setting, *a, **k):
+        self.decode_threads = 1
+        self.decode_threads_report = {"threads": 1, "process_threads": 2, "reason": "the test's"}
+        return self.decode_threads_report
+    monkeypatch.setattr(TorchRunner, "choose_decode_threads", one_thread)
+    built: list[str] = []
+    real_build = loader._build_engine
+
+    def build(cls, cfg, *a, **k):
+        eng = real_build(cls, cfg, *a, **k)
+        built.append(f"{cfg.weights_kernel}-{cfg.weights}")
+        return eng
+    monkeypatch.setattr(loader, "_build_engine", build)
+    spec = {**SPEC, "profile": {**SPEC["profile"], "weights": "q4_1", "kv": "fp32"}}
+    settings = EngineSettings(threads=2, decode_step="eager")
+    eng = Engine.from_cell(spec, model_path=smollm2_path, settings=settings, quality_cache=str(tmp_path), gate=False)
+    try:
+        assert built == ["dense-fp32", "q4_1-fp32"]
+        ch = eng.capability()["runtime"]["weights_choice"]
+        assert (ch["name"], ch["decode_threads"]) == ("q4_1-fp32", 1) and eng.config.weights_kernel == "q4_1"
+        assert ch["first_choice"]["name"] == "dense-fp32" and ch["first_choice"]["served_decode_threads"] == 1
+        assert "decoding at 1" in ch["reason"] and "dense-fp32 1500.0 ms" in ch["reason"]
+    finally:
+        eng.shutdown()
+    built.clear()
+    eng = Engine.from_cell(spec, model_path=smollm2_path, settings=settings, quality_cache=str(tmp_path), gate=False)
+    try:
+        assert built == ["q4_1-fp32"] and "first_choice" not in eng.capability()["runtime"]["weights_choice"]
+    finally:
+        eng.shutdown()

@@ -223,6 +223,8 @@ def test_the_choice_is_the_fastest_turn_and_cached(tmp_path, monkeypatch):
     for r in rec["candidates"]:
         r["decode_ms"], r["prefill_ms_per_token"] = figures[r["name"]]
         r["turn_ms"] = autotune.TURN_PREFILL * r["prefill_ms_per_token"] + autotune.TURN_DECODE * r["decode_ms"]
+        r["decode_ms_by_threads"] = {c: r["decode_ms"] for c in r["decode_ms_by_threads"]}
+        r["turn_ms_by_threads"] = {c: r["turn_ms"] for c in r["turn_ms_by_threads"]}
     path.write_text(json.dumps(rec))
     again = autotune.choose(TINY, "q4_1", str(tmp_path))
     assert again.cached and again.name == "q4_1-fp32" and "dense-fp32 1020.0 ms" in again.reason
@@ -249,7 +251,7 @@ def test_a_candidate_whose_decode_alone_outlasts_the_best_turn_gets_no_prefill_f
         return real(*a, **dict(k, best_turn_ms=0.001 if seen[1:] else None))   # the second is pruned
     monkeypatch.setattr(autotune, "measure", spy)
     c = autotune.choose(TINY, "q4_1", str(tmp_path))
-    assert seen[0] is None and seen[1] == c.candidates[0]["turn_ms"]
+    assert seen[0] is None and seen[1] == min(c.candidates[0]["turn_ms_by_threads"].values())  # its faster count
     assert c.name == "dense-fp32" and c.candidates[1]["turn_ms"] is None
     assert "q4_1-fp32 over" in c.reason and "(decode alone)" in c.reason
 
@@ -366,3 +368,100 @@ def test_a_failed_quality_smoke_falls_back_to_a_dense_head_then_to_the_fastest_d
     assert _fallback(cfg, errors.Unsupported("no", field="profile.kv", value="int4"), EngineSettings()) is None
     cfg.weights_head, cfg.weights_choice = "dense", {"candidates": []}          # forced: nothing measured
     assert _fallback(cfg, failed, first) is None
+
+
+def test_the_decode_step_is_timed_at_one_thread_and_at_the_process_count():
+    """A one-session step may be served at one thread (runner.choose_decode_threads) while prefill keeps the
+    process count: the measurement times the decode step at both and gives the turn at each, the process count's
+    being decode_ms / turn_ms; the process count is restored after."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        r = autotune.measure(TINY, "q4_1", "fp32", reps=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)
+    assert set(r["decode_ms_by_threads"]) == set(r["turn_ms_by_threads"]) == {"1", "2"}
+    assert (r["decode_ms"], r["turn_ms"]) == (r["decode_ms_by_threads"]["2"], r["turn_ms_by_threads"]["2"])
+    for c, d in r["decode_ms_by_threads"].items():
+        assert d > 0 and r["turn_ms_by_threads"][c] == pytest.approx(
+            autotune.TURN_PREFILL * r["prefill_ms_per_token"] + autotune.TURN_DECODE * d, abs=0.1)
+
+
+def _figures(turns: dict[str, dict[str, float]], threads: int) -> list[dict]:
+    """Measurement rows with the test's own turns per decode count (prefill 1 ms a token for all)."""
+    return [{"name": n, "kernel": n.split("-")[0], "dtype": n.split("-")[1], "prefill_ms_per_token": 1.0,
+             "decode_ms": (t[str(threads)] - 700) / 32, "turn_ms": t[str(threads)],
+             "decode_ms_by_threads": {c: (v - 700) / 32 for c, v in t.items()}, "turn_ms_by_threads": dict(t)}
+            for n, t in turns.items()]
+
+
+# dense-fp32 has the shorter turn when a step decodes at two threads, q4_1-fp32 at one
+TURNS = {"dense-fp32": {"2": 1000.0, "1": 1500.0}, "q4_1-fp32": {"2": 1100.0, "1": 1200.0}}
+
+
+def test_the_ranking_takes_the_count_a_one_session_step_decodes_at(tmp_path, monkeypatch):
+    """The candidates are ranked at MODELD_DECODE_THREADS' count where it names one that was measured, else at the
+    count a loaded step took at an earlier start (record_decode_threads), else at the process count; the reason
+    says which. The figures are the test's own."""
+    monkeypatch.setattr(autotune, "bf16_computes", lambda: False)
+    monkeypatch.setattr(autotune, "other_busy_cores", lambda *a: 0.0)
+    monkeypatch.setattr(autotune, "measure", lambda args, k, d, **kw: next(
+        r for r in _figures(TURNS, 2) if r["name"] == f"{k}-{d}"))
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first = autotune.choose(TINY, "q4_1", str(tmp_path))
+        assert (first.name, first.decode_threads) == ("dense-fp32", 2)
+        assert "decoding at 2, the process count" in first.reason and "q4_1-fp32 1100.0 ms" in first.reason
+        assert autotune.choose(TINY, "q4_1", str(tmp_path), decode_threads=1).name == "q4_1-fp32"
+        three = autotune.choose(TINY, "q4_1", str(tmp_path), decode_threads=3)
+        assert three.name == "dense-fp32" and "MODELD_DECODE_THREADS=3 is not measured" in three.reason
+        assert autotune.record_decode_threads(str(tmp_path), first.key, 1)
+        again = autotune.choose(TINY, "q4_1", str(tmp_path))
+        assert again.cached and (again.name, again.decode_threads) == ("q4_1-fp32", 1)
+        assert "measured it at a start here" in again.reason and "dense-fp32 1500.0 ms" in again.reason
+        assert autotune.choose(TINY, "q4_1", str(tmp_path), decode_threads=2).name == "dense-fp32"
+    finally:
+        torch.set_num_threads(was)
+    assert not autotune.record_decode_threads(None, first.key, 1)
+    assert not autotune.record_decode_threads(str(tmp_path), "no-such-key", 1)
+
+
+def test_a_start_whose_step_decodes_at_another_count_ranks_again(tmp_path):
+    """loader._rank_at_served_threads, after a measurement-chosen build: the loaded step's count is kept in the
+    record; a ranking at that count which names another path is returned (load_engine builds again, once), one
+    that names the same path becomes the engine's weights_choice; a count MODELD_DECODE_THREADS set, a forced
+    path, or no cache to keep the count in builds nothing again."""
+    import types
+
+    from modeld_cell.loader import _rank_at_served_threads
+    from modeld_cell.profile_gate import write_measurement
+
+    rec = {"key": "k1", "candidates": _figures(TURNS, 2), "threads": 2}
+    write_measurement(str(tmp_path / "autotune" / "k1.json"), rec)
+    chosen = autotune.rank(rec, 2, "the process count").to_dict()
+
+    def eng(choice, threads=1, reason="one thread decodes faster here"):
+        return types.SimpleNamespace(
+            config=types.SimpleNamespace(weights_choice=dict(choice)),
+            runner=types.SimpleNamespace(decode_threads_report={"threads": threads, "process_threads": 2,
+                                                                "reason": reason}))
+
+    e = eng(chosen)
+    first = _rank_at_served_threads(e, str(tmp_path))
+    assert first == {"name": "dense-fp32", "decode_threads": 2, "reason": chosen["reason"],
+                     "served_decode_threads": 1}
+    assert json.loads((tmp_path / "autotune" / "k1.json").read_text())["decode_threads"] == 1
+    assert _rank_at_served_threads(eng(chosen, 2), str(tmp_path)) is None          # ranked at the served count
+    assert _rank_at_served_threads(eng(chosen, 1, "MODELD_DECODE_THREADS"), str(tmp_path)) is None
+    assert _rank_at_served_threads(eng({**chosen, "candidates": []}), str(tmp_path)) is None
+    e = eng(chosen)
+    assert _rank_at_served_threads(e, None) is None                                # no cache: serves what it built
+    assert e.config.weights_choice["name"] == "dense-fp32"
+    assert "q4_1-fp32 would rank first" in e.config.weights_choice["reason"]
+    same = {"key": "k1", "candidates": _figures({"dense-fp32": {"2": 1000.0, "1": 1100.0},
+                                                  "q4_1-fp32": {"2": 1100.0, "1": 1200.0}}, 2), "threads": 2}
+    e = eng(autotune.rank(same, 2, "the process count").to_dict())
+    assert _rank_at_served_threads(e, str(tmp_path)) is None
+    assert e.config.weights_choice["decode_threads"] == 1 and e.config.weights_choice["name"] == "dense-fp32"
