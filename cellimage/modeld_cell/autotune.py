@@ -23,10 +23,10 @@ often takes one thread where prefill takes the process count (waking threads for
 more than they give), and a dense step's weights, read from memory, take longer at one thread than a quantized
 kernel's. So the decode step is timed at both counts; the ranking takes the count an earlier start's step measured,
 or the process count, and the loader ranks again at the count the loaded step took, building the other path once
-where that ranks it first (loader.load_engine), and keeps that count for the next start (record_decode_threads); the report keeps
-every candidate's figures, so a reader sees what was measured and why one won. A candidate whose ``TURN_DECODE``
-decode steps alone take a whole turn of one measured before it cannot win and gets no prefill figure (``pruned``). Norms, RoPE and sampling are left out
-(they cost the same for every candidate, or nearly).
+where that ranks it first (loader.load_engine), and keeps that count for the next start (record_decode_threads);
+the report keeps every candidate's figures, so a reader sees what was measured and why one won. A candidate whose
+``TURN_DECODE`` decode steps alone take a whole turn of one measured before it cannot win and gets no prefill
+figure (``pruned``). Norms, RoPE and sampling are left out (they cost the same for every candidate, or nearly).
 
 The measurement is cached as JSON under ``<cache>/autotune/<key>.json``, keyed by the hardware and torch
 (profile_gate.hardware), the thread count, the model's shapes and ``AUTOTUNE_VERSION``; a second start reads it.
@@ -78,6 +78,7 @@ class Choice:
     cached: bool = False
     key: str = ""
     decode_threads: int | None = None   # the intra-op count whose decode figures ranked them (rank)
+    others_busy_cores: float | None = None  # what other processes kept busy while it was measured, where known
 
     @property
     def name(self) -> str:
@@ -232,10 +233,10 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | 
     return rec
 
 
-def turn_ms(r: dict[str, Any], threads: int) -> float | None:
+def turn_ms(r: dict[str, Any], threads: int | None) -> float | None:
     """A measured candidate's turn with its decode steps at ``threads`` intra-op threads: the figure at that count,
-    or at the process count where that count was not measured (a record from before version 5 has no other); None
-    for a pruned candidate."""
+    or at the process count where that count was not measured or is None (a record from before version 5 has no
+    other); None for a pruned candidate."""
     return (r.get("turn_ms_by_threads") or {}).get(str(threads), r["turn_ms"])
 
 
@@ -259,7 +260,7 @@ def rank(rec: dict[str, Any], decode_threads: int, why: str, cached: bool = Fals
     reason = (f"measured on this CPU ({threads} threads; decoding at {decode_threads}, {why}): a {TURN_PREFILL}-token "
               f"append + {TURN_DECODE} decoded tokens takes {turn_ms(best, decode_threads)} ms ({others}){contended}")
     return Choice(best["kernel"], best["dtype"], reason, rows, cached=cached, key=rec["key"],
-                  decode_threads=decode_threads)
+                  decode_threads=decode_threads, others_busy_cores=rec.get("others_busy_cores"))
 
 
 def record_decode_threads(cache_dir: str | None, key: str, threads: int) -> bool:

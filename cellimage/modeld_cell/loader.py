@@ -345,14 +345,18 @@ def _rank_at_served_threads(eng: Engine, cache_dir: str | None) -> dict[str, Any
             or served == choice.get("decode_threads") or rep.get("reason") == "MODELD_DECODE_THREADS"):
         return None
     kept = autotune.record_decode_threads(cache_dir, choice["key"], served)
-    rec = {"key": choice["key"], "candidates": choice["candidates"], "threads": rep["process_threads"]}
+    rec = {"key": choice["key"], "candidates": choice["candidates"], "threads": rep["process_threads"],
+           "others_busy_cores": choice.get("others_busy_cores")}
     again = autotune.rank(rec, served, "as the loaded step measured at this start", choice.get("cached", False))
-    if again.name == choice["name"] or not kept:
-        eng.config.weights_choice = again.to_dict() | (
-            {} if again.name == choice["name"] else
-            {"kernel": choice["kernel"], "dtype": choice["dtype"], "name": choice["name"],
-             "reason": f"{choice['reason']}; at {served} (the loaded step's count) {again.name} would rank first, "
-                       f"but with no cache to keep that count in, this start serves what it built"})
+    if again.name == choice["name"]:
+        eng.config.weights_choice = again.to_dict()
+        return None
+    if not kept:
+        # nowhere to keep the count for the next start, so no second build: the choice stands, its reason says what
+        # the loaded step's count would rank first
+        eng.config.weights_choice = {**choice, "reason": (
+            f"{choice['reason']}; at {served} (the loaded step's count) {again.name} would rank first, but with no "
+            f"cache to keep that count in, this start serves what it built")}
         return None
     return {"name": choice["name"], "decode_threads": choice["decode_threads"], "reason": choice["reason"],
             "served_decode_threads": served}
@@ -371,15 +375,15 @@ def _fallback(cfg: CellConfig, e: errors.Unsupported, settings: EngineSettings) 
 
 def _dense_fallback(cfg: CellConfig, e: errors.Unsupported) -> str | None:
     """The dense path to build instead when the quantized kernel the measurement chose fails its quality smoke:
-    the fastest dense candidate of the same measurement (at the decode count it ranked at). None when the kernel was forced (MODELD_WEIGHTS_PATH) or
-    the format has no dense path (int8)."""
+    the fastest dense candidate of the same measurement, at the decode count it ranked at. None when the kernel was
+    forced (MODELD_WEIGHTS_PATH) or the format has no dense path (int8)."""
     choice = cfg.weights_choice or {}
     if e.details.get("field") != "profile.weights" or cfg.weights_kernel == "dense" or not choice.get("candidates"):
         return None
     from .autotune import turn_ms
     at = choice.get("decode_threads")            # the count the measurement ranked at (autotune.rank)
     dense = [r for r in choice["candidates"] if r["kernel"] == "dense" and r["turn_ms"] is not None]
-    return min(dense, key=lambda r: turn_ms(r, at) if at else r["turn_ms"])["name"] if dense else None
+    return min(dense, key=lambda r: turn_ms(r, at))["name"] if dense else None
 
 
 def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, settings: EngineSettings,

@@ -459,9 +459,14 @@ def test_a_start_whose_step_decodes_at_another_count_ranks_again(tmp_path):
     e = eng(chosen)
     assert _rank_at_served_threads(e, None) is None                                # no cache: serves what it built
     assert e.config.weights_choice["name"] == "dense-fp32"
+    assert e.config.weights_choice["decode_threads"] == 2                          # the count it ranked at
     assert "q4_1-fp32 would rank first" in e.config.weights_choice["reason"]
     same = {"key": "k1", "candidates": _figures({"dense-fp32": {"2": 1000.0, "1": 1100.0},
                                                   "q4_1-fp32": {"2": 1100.0, "1": 1200.0}}, 2), "threads": 2}
     e = eng(autotune.rank(same, 2, "the process count").to_dict())
     assert _rank_at_served_threads(e, str(tmp_path)) is None
     assert e.config.weights_choice["decode_threads"] == 1 and e.config.weights_choice["name"] == "dense-fp32"
+    busy = {**same, "others_busy_cores": 1.5}                   # measured while the machine was busy: still said
+    e = eng(autotune.rank(busy, 2, "the process count").to_dict())
+    assert _rank_at_served_threads(e, str(tmp_path)) is None
+    assert e.config.weights_choice["decode_threads"] == 1 and "kept 1.50 cores busy" in e.config.weights_choice["reason"]
