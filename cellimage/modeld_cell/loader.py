@@ -9,6 +9,7 @@ lossy profile (profile_gate.py) before anything is served.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -425,7 +426,8 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
     try:
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
         if rk is None and cfg.backend == "torch":            # on the torch thread: OpenMP counts are per thread
-            eng.on_torch_thread(eng.runner.choose_decode_threads, eng.settings.decode_threads)
+            eng.on_torch_thread(functools.partial(eng.runner.choose_decode_threads, eng.settings.decode_threads,
+                                                  context_limit=eng.context_tier))
             eng.on_torch_thread(eng.runner.choose_decode_step, eng.settings.decode_step)
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()

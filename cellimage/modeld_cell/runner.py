@@ -78,6 +78,9 @@ class TorchRunner:
         self._decode_fn: Callable[..., Tensor] | None = None   # a validated dispatch.paged_decode, or None
         self._quant_dispatch = False                    # quantized decode through dispatch.quant_paged_decode on CPU
         self.decode_threads: int | None = None          # intra-op threads of a one-session decode (None: the process's)
+        # a one-session step with at least this many tokens already cached runs at the process count even where
+        # decode_threads is one (choose_decode_threads: attention grows with the context); None: never
+        self.decode_wide_from: int | None = None
         self.decode_threads_report: dict[str, Any] | None = None
         self.decode_step: Any = None                    # a validated decode_step.ScriptedDecode, or None: eager
         self.decode_step_report: dict[str, Any] | None = None
@@ -150,7 +153,8 @@ class TorchRunner:
                                   "kernels.dispatch.paged_decode validated but not used on CPU")
 
     @torch.no_grad()
-    def choose_decode_threads(self, setting: int | None, reps: int = 7, context: int = 64) -> dict[str, Any]:
+    def choose_decode_threads(self, setting: int | None, reps: int = 7, context: int = 64,
+                              context_limit: int | None = None) -> dict[str, Any]:
         """How many intra-op threads a one-session decode step runs with (call on the torch thread). A decode step
         is some 3,000 small ops: on a 2-core VM, waking the second OpenMP thread for each cost more than it gave
         (measured: 68-86 ms a step on one thread against 97-126 ms on two after 1k tokens; even at 4k).
@@ -158,9 +162,10 @@ class TorchRunner:
         ``context`` tokens in scratch blocks, its next token decoded ``reps`` times at each count alternately (the
         same position, so the same bits every time), and the faster median wins by 10 %. A count whose logits
         differ in a single bit from the process count's is never taken (prefill runs at the process count, and exact
-        reuse needs decode == prefill). Batched decode steps keep the process count."""
+        reuse needs decode == prefill). Batched decode steps keep the process count. Where one thread is taken, longer
+        contexts up to ``context_limit`` (the cell's tier) are measured too (_measure_wide_from)."""
         n = torch.get_num_threads()
-        self.decode_threads = None
+        self.decode_threads, self.decode_wide_from = None, None
         if hasattr(self.model, "head_threads"):
             self.model.head_threads = None
         rep: dict[str, Any] = {"threads": n, "process_threads": n}
@@ -173,7 +178,69 @@ class TorchRunner:
             rep["reason"] = "not measured: no free KV blocks"
         else:
             rep.update(self._measure_decode_threads(n, reps, context))
+            if self.decode_threads == 1:
+                rep["wide"] = self._measure_wide_from(n, reps, context_limit)
         self.decode_threads_report = rep
+        return rep
+
+    # contexts (tokens in the cache) a one-session step is timed at, beyond the short one, when the short one takes
+    # one thread: its attention grows with the context (flash over every 512-key segment), and at some length the
+    # process count pays for its wake-ups
+    WIDE_CONTEXTS = (1024, 2048, 4096, 8192)
+
+    def _measure_wide_from(self, n: int, reps: int, context_limit: int | None) -> dict[str, Any]:
+        """The context from which a one-session step runs at the process count although the short context's
+        measurement took one thread (``decode_wide_from``). At each of WIDE_CONTEXTS the cell can hold (the tier's
+        last position in place of any beyond it), longest first, the same token is decoded ``reps`` times alternately as the short measurement chose (one thread, the
+        head as it chose) and at the process count, over scratch blocks filled with seeded random K/V (no prefill:
+        a step's time does not depend on the values); the process count wins a context by 10 % with logits and K/V
+        equal bit for bit, and the search stops at the first context it does not win. Same bits are required because
+        a session's steps then run at either count by its length."""
+        rep: dict[str, Any] = {"from": None, "median_ms": {}, "bitwise_equal": True}
+        head = getattr(self.model, "head_threads", None)
+        if self.kv.fmt.quantized:
+            rep["reason"] = "not measured: a quantized KV cache (its scratch blocks need valid scales)"
+            return rep
+        limit = min(self.model.args.max_seq_len, context_limit or self.model.args.max_seq_len)
+        ctxs = sorted({min(c, limit - 1) for c in self.WIDE_CONTEXTS})          # the tier's last position at most
+        ctxs = [c for c in ctxs if c >= self.WIDE_CONTEXTS[0] and self.kv.free_blocks >= self.kv.blocks_for(c + 1)]
+        if not ctxs:
+            rep["reason"] = "not measured: the cell holds no context of " + str(self.WIDE_CONTEXTS[0]) + " tokens"
+            return rep
+
+        @contextlib.contextmanager
+        def threads(th: int) -> Iterator[None]:      # the head as the short measurement chose (model.logits)
+            torch.set_num_threads(th)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(n)
+
+        one = "1" if head is None else f"1, head at {head}"
+        lost = None
+        was, self.decode_threads = self.decode_threads, None      # decode() then keeps the variant's count
+        try:
+            for c in sorted(ctxs, reverse=True):
+                ms, same = self._decode_alternately({one: lambda: threads(1), str(n): lambda: threads(n)},
+                                                    reps, c, seed=29, with_kv=True, prefill=False)
+                rep["median_ms"][str(c)] = ms
+                rep["bitwise_equal"] = rep["bitwise_equal"] and same
+                if not (same and ms[str(n)] < 0.9 * ms[one]):
+                    lost = c
+                    break
+                rep["from"] = c
+        finally:
+            self.decode_threads = was
+        self.decode_wide_from = rep["from"] if rep["bitwise_equal"] else None
+        if not rep["bitwise_equal"]:
+            rep["from"] = None
+            rep["reason"] = f"{n} threads' logits or K/V differ from one thread's at a long context: not taken"
+        elif rep["from"] is None:
+            rep["reason"] = f"{n} threads are not 10 % faster than one at {lost} tokens: one thread at every length"
+        else:
+            rep["reason"] = (f"a one-session step with {rep['from']} tokens or more cached runs at {n} threads: 10 % "
+                             f"faster there and at every longer context measured, with the same bits"
+                             + (f" (not at {lost})" if lost else ""))
         return rep
 
     def _measure_decode_threads(self, n: int, reps: int, context: int) -> dict[str, Any]:
@@ -214,13 +281,16 @@ class TorchRunner:
                 "median_ms": ms, "bitwise_equal": same, "context": context, "reps": reps, "reason": reason}
 
     def _decode_alternately(self, variants: dict[str, Callable[[], AbstractContextManager[Any]]], reps: int,
-                            context: int, seed: int, with_kv: bool, gap: float = 0.005) -> tuple[dict[str, float], bool]:
+                            context: int, seed: int, with_kv: bool, gap: float = 0.005,
+                            prefill: bool = True) -> tuple[dict[str, float], bool]:
         """The start-up measurements' scaffold: one session of ``context`` tokens (a fixed pseudo-random sequence,
         offset by ``seed``) prefilled into scratch blocks, then its next token decoded ``reps`` times under each
         variant in turn (``variants[name]()`` is the context the step runs in), ``gap`` seconds apart as served steps
         are (the scheduler's turn, sampling, the reply). The same position every time, so the same bits are
         expected: returns each variant's median ms (the first round dropped as warm-up) and whether every step's
-        logits, and with ``with_kv`` the K/V every layer wrote for the token, equal the first step's bit for bit."""
+        logits, and with ``with_kv`` the K/V every layer wrote for the token, equal the first step's bit for bit.
+        ``prefill=False``: the scratch blocks hold seeded random K/V instead of a prefill's (an unquantized cache;
+        for timing long contexts without prefilling them)."""
         blocks = self.kv.allocate(self.kv.blocks_for(context + 1))
         times: dict[str, list[float]] = {k: [] for k in variants}
         first: tuple[Tensor, ...] | None = None
@@ -229,7 +299,15 @@ class TorchRunner:
         slot = blocks[context // bs] * bs + context % bs
         try:
             toks = [(i * 7919 + seed) % self.model.args.vocab_size for i in range(context + 1)]
-            self.prefill(toks[:context], 0, blocks)
+            if prefill:
+                self.prefill(toks[:context], 0, blocks)
+            else:
+                g = torch.Generator().manual_seed(seed)
+                idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k.device)
+                for c in (self.kv.k, self.kv.v):
+                    for layer in range(c.shape[0]):       # a layer at a time: no whole-pool fp32 temporary
+                        c[layer].index_copy_(0, idx, torch.randn(len(blocks), *c.shape[2:], generator=g).to(
+                            device=c.device, dtype=c.dtype))
             for _ in range(reps):
                 for name, enter in variants.items():
                     time.sleep(gap)
@@ -343,8 +421,11 @@ class TorchRunner:
             return self._decode_forward(toks, positions, tables)
         step = self.decode_step
         n = torch.get_num_threads()
-        if self.decode_threads is not None:
-            torch.set_num_threads(self.decode_threads)
+        threads = self.decode_threads
+        if self.decode_wide_from is not None and positions[0] >= self.decode_wide_from:
+            threads = None                   # a long context: the process count (choose_decode_threads' "wide")
+        if threads is not None:
+            torch.set_num_threads(threads)
         try:
             return step(toks[0], positions[0], tables[0]) if step is not None else \
                 self._decode_forward(toks, positions, tables)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -188,12 +189,15 @@ def test_a_row_tile_multiplies_fixed_size_calls_zero_padded(packed: bool, dtype:
 
 
 class _Timed(TorchRunner):
-    """A runner whose decode takes a stated time per thread count and returns stated logits (the choice's logic)."""
+    """A runner whose decode takes a stated time per thread count and returns stated logits (the choice's logic).
+    ``at``: (threads, position) -> (ms, logit) for steps at positions past the start-up's 64-token one."""
 
-    def __init__(self, ms: dict[int, float], logits: dict[int, float], head_saves_ms: float = 0.0) -> None:
+    def __init__(self, ms: dict[int, float], logits: dict[int, float], head_saves_ms: float = 0.0,
+                 at: Any = None, max_seq_len: int = 256) -> None:
         m = _tiny()
-        super().__init__(m, PagedKVCache(2, 2, 8, kv_format("fp32"), 1 << 20, 16))
-        self.ms, self.logits, self.head_saves_ms = ms, logits, head_saves_ms
+        m.args.max_seq_len = max_seq_len
+        super().__init__(m, PagedKVCache(2, 2, 8, kv_format("fp32"), 4 << 20, 16))
+        self.ms, self.logits, self.head_saves_ms, self.at = ms, logits, head_saves_ms, at
 
     def prefill(self, *a, **kw):  # type: ignore[no-untyped-def]
         return torch.zeros(4), 0.0, []
@@ -201,8 +205,10 @@ class _Timed(TorchRunner):
     def decode(self, toks, positions, tables):  # type: ignore[no-untyped-def]
         import time
         n = torch.get_num_threads()
-        time.sleep((self.ms[n] - (self.head_saves_ms if self.model.head_threads else 0.0)) / 1e3)
-        return torch.full((1, 4), self.logits[n])
+        ms, logit = (self.ms[n], self.logits[n]) if positions[0] <= 64 or self.at is None else \
+            self.at(n, positions[0])
+        time.sleep((ms - (self.head_saves_ms if self.model.head_threads else 0.0)) / 1e3)
+        return torch.full((1, 4), logit)
 
 
 @pytest.fixture
@@ -268,6 +274,57 @@ def test_decode_threads_setting_wins(two_threads: None) -> None:
     r = _Timed({2: 4.0, 1: 12.0}, {2: 1.0, 1: 1.0})
     rep = r.choose_decode_threads(1)
     assert r.decode_threads == 1 and rep["reason"] == "MODELD_DECODE_THREADS"
+    assert "wide" not in rep and r.decode_wide_from is None          # a fixed count holds at every length
+
+
+def _linear_in_context(n: int, pos: int) -> tuple[float, float]:
+    """The test's own step times: one thread 4 ms + 4 ms per 1k tokens, two threads 12 ms + 2 ms per 1k tokens,
+    so two threads are 10 % faster from about 4k tokens (4096: 20.0 against 20.2; 8191: 36.0 against 28.0)."""
+    return (4.0 + 4.0 * pos / 1024, 1.0) if n == 1 else (12.0 + 2.0 * pos / 1024, 1.0)
+
+
+def test_a_long_context_runs_at_the_process_count_where_that_is_faster(two_threads: None) -> None:
+    """Where the short measurement takes one thread, longer contexts are timed too, longest first, until the
+    process count stops winning by 10 %: a one-session step from the shortest context it won then runs at the
+    process count. Contexts beyond the cell's tier are measured at its last position."""
+    r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0}, at=_linear_in_context, max_seq_len=8192)
+    rep = r.choose_decode_threads(None, reps=3)["wide"]
+    assert r.decode_threads == 1 and r.decode_wide_from == 8191 and rep["from"] == 8191
+    assert list(rep["median_ms"]) == ["8191", "4096"] and rep["reason"].endswith("(not at 4096)")
+    assert r.kv.used_blocks == 0 and torch.get_num_threads() == 2
+    rep = r.choose_decode_threads(None, reps=3, context_limit=3000)["wide"]       # a 3,000-token tier
+    assert r.decode_wide_from is None and list(rep["median_ms"]) == ["2999"]
+    assert "not 10 % faster than one at 2999 tokens" in rep["reason"]
+
+
+def test_a_long_context_count_whose_bits_differ_is_never_taken(two_threads: None) -> None:
+    r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0}, max_seq_len=8192,
+               at=lambda n, pos: (4.0 + 8.0 * pos / 1024, 1.0) if n == 1 else (12.0, 2.0))
+    rep = r.choose_decode_threads(None, reps=3)["wide"]
+    assert r.decode_threads == 1 and r.decode_wide_from is None and rep["from"] is None
+    assert rep["bitwise_equal"] is False and "not taken" in rep["reason"]
+
+
+def test_a_cell_that_holds_no_long_context_measures_none(two_threads: None) -> None:
+    r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0}, at=_linear_in_context)          # max_seq_len 256
+    rep = r.choose_decode_threads(None, reps=3)["wide"]
+    assert r.decode_wide_from is None and rep["median_ms"] == {} and rep["reason"].startswith("not measured")
+
+
+def test_a_one_session_step_takes_its_count_by_the_tokens_cached(two_threads: None) -> None:
+    """runner.decode: a step at a position from decode_wide_from on runs at the process count, one before it at
+    decode_threads; the process count is back after either."""
+    r = TorchRunner(_tiny(), PagedKVCache(2, 2, 8, kv_format("fp32"), 1 << 20, 16))
+    seen: list[int] = []
+    r.decode_step = lambda tok, pos, table: seen.append(torch.get_num_threads()) or torch.zeros(1, 64)
+    r.decode_threads, r.decode_wide_from = 1, 100
+    for pos in (98, 99, 100, 180):
+        r.decode([1], [pos], [list(range(12))])
+        assert torch.get_num_threads() == 2
+    assert seen == [1, 1, 2, 2]
+    r.decode_wide_from = None
+    r.decode([1], [180], [list(range(12))])
+    assert seen[-1] == 1
 
 
 def test_decode_threads_and_pack_settings_are_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
