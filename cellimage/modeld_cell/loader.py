@@ -426,9 +426,9 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
     try:
         eng.runner.choose_decode_kernel(eng.settings.decode_attention)
         if rk is None and cfg.backend == "torch":            # on the torch thread: OpenMP counts are per thread
-            eng.on_torch_thread(functools.partial(eng.runner.choose_decode_threads, eng.settings.decode_threads,
-                                                  context_limit=eng.context_tier))
+            eng.on_torch_thread(eng.runner.choose_decode_threads, eng.settings.decode_threads)
             eng.on_torch_thread(eng.runner.choose_decode_step, eng.settings.decode_step)
+            eng.on_torch_thread(functools.partial(eng.runner.choose_decode_wide, eng.context_tier))
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()
         if verdicts is not None:             # measured on the whole model before the ranks cut it

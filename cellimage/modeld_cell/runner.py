@@ -153,8 +153,7 @@ class TorchRunner:
                                   "kernels.dispatch.paged_decode validated but not used on CPU")
 
     @torch.no_grad()
-    def choose_decode_threads(self, setting: int | None, reps: int = 7, context: int = 64,
-                              context_limit: int | None = None) -> dict[str, Any]:
+    def choose_decode_threads(self, setting: int | None, reps: int = 7, context: int = 64) -> dict[str, Any]:
         """How many intra-op threads a one-session decode step runs with (call on the torch thread). A decode step
         is some 3,000 small ops: on a 2-core VM, waking the second OpenMP thread for each cost more than it gave
         (measured: 68-86 ms a step on one thread against 97-126 ms on two after 1k tokens; even at 4k).
@@ -162,8 +161,8 @@ class TorchRunner:
         ``context`` tokens in scratch blocks, its next token decoded ``reps`` times at each count alternately (the
         same position, so the same bits every time), and the faster median wins by 10 %. A count whose logits
         differ in a single bit from the process count's is never taken (prefill runs at the process count, and exact
-        reuse needs decode == prefill). Batched decode steps keep the process count. Where one thread is taken, longer
-        contexts up to ``context_limit`` (the cell's tier) are measured too (_measure_wide_from)."""
+        reuse needs decode == prefill). Batched decode steps keep the process count. Where one thread is taken,
+        choose_decode_wide measures longer contexts after the step is chosen."""
         n = torch.get_num_threads()
         self.decode_threads, self.decode_wide_from = None, None
         if hasattr(self.model, "head_threads"):
@@ -178,10 +177,22 @@ class TorchRunner:
             rep["reason"] = "not measured: no free KV blocks"
         else:
             rep.update(self._measure_decode_threads(n, reps, context))
-            if self.decode_threads == 1:
-                rep["wide"] = self._measure_wide_from(n, reps, context_limit)
         self.decode_threads_report = rep
         return rep
+
+    def choose_decode_wide(self, context_limit: int | None = None, reps: int = 7) -> dict[str, Any] | None:
+        """Where choose_decode_threads' measurement took one thread: the context length from which a one-session
+        step runs at the process count again (``decode_wide_from``; _measure_wide_from), measured up to
+        ``context_limit`` (the cell's tier). Call on the torch thread after choose_decode_step, so that the step
+        timed is the step served (the scripted step gains more from a second thread than the eager one, whose
+        Python runs on one). The figures go into decode_threads_report["wide"]; None where nothing was measured (a
+        count MODELD_DECODE_THREADS fixed holds at every length)."""
+        self.decode_wide_from = None
+        rep = self.decode_threads_report
+        if rep is None or self.decode_threads != 1 or rep.get("reason") == "MODELD_DECODE_THREADS":
+            return None
+        rep["wide"] = self._measure_wide_from(rep["process_threads"], reps, context_limit)
+        return rep["wide"]
 
     # contexts (tokens in the cache) a one-session step is timed at, beyond the short one, when the short one takes
     # one thread: its attention grows with the context (flash over every 512-key segment), and at some length the

@@ -18,7 +18,7 @@ from modeld_cell.loader import _dense_model
 from modeld_cell.models import load_checkpoint
 from modeld_cell.quantize import Int4WeightOnlyLinear, Int8WeightOnlyLinear, QuantEmbedding
 
-from .cellutil import generate
+from .cellutil import CONTEXT_TIER, generate
 from .conftest import SPEC
 from .test_invariance import assert_like_cold, prompt, siblings_of
 
@@ -167,6 +167,10 @@ def test_a_path_ranked_first_at_the_served_decode_count_is_built_instead(smollm2
         assert (ch["name"], ch["decode_threads"]) == ("q4_1-fp32", 1) and eng.config.weights_kernel == "q4_1"
         assert ch["first_choice"]["name"] == "dense-fp32" and ch["first_choice"]["served_decode_threads"] == 1
         assert "decoding at 1" in ch["reason"] and "dense-fp32 1500.0 ms" in ch["reason"]
+        # one thread taken: the loaded (real) step is timed at longer contexts too, up to the tier's last position
+        wide = eng.capability()["runtime"]["decode_threads"]["wide"]
+        assert list(wide["median_ms"])[0] == str(CONTEXT_TIER - 1) and wide["bitwise_equal"] is True
+        assert eng.runner.decode_wide_from == wide["from"] and wide["from"] in (None, *map(int, wide["median_ms"]))
     finally:
         eng.shutdown()
     built.clear()

@@ -274,7 +274,11 @@ def test_decode_threads_setting_wins(two_threads: None) -> None:
     r = _Timed({2: 4.0, 1: 12.0}, {2: 1.0, 1: 1.0})
     rep = r.choose_decode_threads(1)
     assert r.decode_threads == 1 and rep["reason"] == "MODELD_DECODE_THREADS"
-    assert "wide" not in rep and r.decode_wide_from is None          # a fixed count holds at every length
+    assert r.choose_decode_wide(reps=3) is None and "wide" not in rep      # a fixed count holds at every length
+    assert r.decode_wide_from is None
+    r = _Timed({2: 4.0, 1: 12.0}, {2: 1.0, 1: 1.0})
+    r.choose_decode_threads(None, reps=3)                                  # the process count: nothing to widen
+    assert r.choose_decode_wide(reps=3) is None
 
 
 def _linear_in_context(n: int, pos: int) -> tuple[float, float]:
@@ -288,11 +292,13 @@ def test_a_long_context_runs_at_the_process_count_where_that_is_faster(two_threa
     process count stops winning by 10 %: a one-session step from the shortest context it won then runs at the
     process count. Contexts beyond the cell's tier are measured at its last position."""
     r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0}, at=_linear_in_context, max_seq_len=8192)
-    rep = r.choose_decode_threads(None, reps=3)["wide"]
+    r.choose_decode_threads(None, reps=3)
+    rep = r.choose_decode_wide(reps=3)
+    assert rep is r.decode_threads_report["wide"]
     assert r.decode_threads == 1 and r.decode_wide_from == 8191 and rep["from"] == 8191
     assert list(rep["median_ms"]) == ["8191", "4096"] and rep["reason"].endswith("(not at 4096)")
     assert r.kv.used_blocks == 0 and torch.get_num_threads() == 2
-    rep = r.choose_decode_threads(None, reps=3, context_limit=3000)["wide"]       # a 3,000-token tier
+    rep = r.choose_decode_wide(3000, reps=3)                                       # a 3,000-token tier
     assert r.decode_wide_from is None and list(rep["median_ms"]) == ["2999"]
     assert "not 10 % faster than one at 2999 tokens" in rep["reason"]
 
@@ -300,14 +306,16 @@ def test_a_long_context_runs_at_the_process_count_where_that_is_faster(two_threa
 def test_a_long_context_count_whose_bits_differ_is_never_taken(two_threads: None) -> None:
     r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0}, max_seq_len=8192,
                at=lambda n, pos: (4.0 + 8.0 * pos / 1024, 1.0) if n == 1 else (12.0, 2.0))
-    rep = r.choose_decode_threads(None, reps=3)["wide"]
+    r.choose_decode_threads(None, reps=3)
+    rep = r.choose_decode_wide(reps=3)
     assert r.decode_threads == 1 and r.decode_wide_from is None and rep["from"] is None
     assert rep["bitwise_equal"] is False and "not taken" in rep["reason"]
 
 
 def test_a_cell_that_holds_no_long_context_measures_none(two_threads: None) -> None:
     r = _Timed({2: 12.0, 1: 4.0}, {2: 1.0, 1: 1.0}, at=_linear_in_context)          # max_seq_len 256
-    rep = r.choose_decode_threads(None, reps=3)["wide"]
+    r.choose_decode_threads(None, reps=3)
+    rep = r.choose_decode_wide(reps=3)
     assert r.decode_wide_from is None and rep["median_ms"] == {} and rep["reason"].startswith("not measured")
 
 
