@@ -35,6 +35,7 @@ JSON (--out) holds every round's raw figures; a Markdown table goes to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -142,8 +143,10 @@ def worker_modeld(job: dict) -> dict:
     t = time.perf_counter()
     from modeld_cell.engine import EngineSettings
 
-    eng = Engine.from_cell(spec, model_path=job["model"],
-                           settings=EngineSettings(threads=job["threads"]))   # MODELD_THREADS, as the worker
+    # the worker's settings: the MODELD_* environment (MODELD_WEIGHTS_PATH, MODELD_DECODE_THREADS, ...) as the
+    # worker reads it, with MODELD_THREADS the job's count
+    settings = dataclasses.replace(EngineSettings.from_env(), threads=job["threads"])
+    eng = Engine.from_cell(spec, model_path=job["model"], settings=settings)
     load_s = time.perf_counter() - t
     rss_loaded = proc_status_mib("VmRSS")
     loop = asyncio.new_event_loop()
