@@ -22,6 +22,7 @@ STEPS=(
   "kernels-sparse-long|1800|benchmarks/kernels.py --out $OUT/kernels_sparse_long_cpu.json --only sparse --sparse-lengths 8192,16384,32768,65536,131072 --sparse-past 24576:8192"
   "cell|900|benchmarks/cell_cpu.py --weights bf16 --repeats 2 --out $OUT/cell_cpu_bf16.json"        # cell-benchmarks.md
   "weights|1200|benchmarks/weights_cpu.py --out $OUT/weights_cpu.json"                              # cell-benchmarks.md
+  "decode-attention|300|benchmarks/decode_attention.py --out $OUT/decode_attention.json"            # cell-benchmarks.md, reuse.md
   "agent|1200|benchmarks/agent_replay.py --out $OUT/agent_replay.json"                              # reuse.md
   "reuse-floor|900|benchmarks/reuse_floor.py --out $OUT/reuse_floor.json"                           # reuse.md
   "profiles|900|benchmarks/profiles_cpu.py --out $OUT/profiles_cpu.json"                            # kernels.md, worker.md
