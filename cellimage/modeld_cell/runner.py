@@ -69,6 +69,16 @@ def contig_start(blocks: Sequence[int], nblk: int) -> int | None:
     return b0
 
 
+@contextlib.contextmanager
+def _intra_op(threads: int, restore: int) -> Iterator[None]:
+    """The start-up measurements' variant context: ``threads`` intra-op threads, ``restore`` after."""
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(restore)
+
+
 class TorchRunner:
     name = "torch"
 
@@ -202,11 +212,12 @@ class TorchRunner:
     def _measure_wide_from(self, n: int, reps: int, context_limit: int | None) -> dict[str, Any]:
         """The context from which a one-session step runs at the process count although the short context's
         measurement took one thread (``decode_wide_from``). At each of WIDE_CONTEXTS the cell can hold (the tier's
-        last position in place of any beyond it), longest first, the same token is decoded ``reps`` times alternately as the short measurement chose (one thread, the
-        head as it chose) and at the process count, over scratch blocks filled with seeded random K/V (no prefill:
-        a step's time does not depend on the values); the process count wins a context by 10 % with logits and K/V
-        equal bit for bit, and the search stops at the first context it does not win. Same bits are required because
-        a session's steps then run at either count by its length."""
+        last position in place of any beyond it), longest first, the same token is decoded ``reps`` times
+        alternately as the short measurement chose (one thread, the head as it chose) and at the process count,
+        over scratch blocks filled with seeded random K/V (no prefill: a step's time does not depend on the values);
+        the process count wins a context by 10 % with logits and K/V equal bit for bit, and the search stops at the
+        first context it does not win. Same bits are required because a session's steps then run at either count by
+        its length."""
         rep: dict[str, Any] = {"from": None, "median_ms": {}, "bitwise_equal": True}
         head = getattr(self.model, "head_threads", None)
         if self.kv.fmt.quantized:
@@ -219,21 +230,13 @@ class TorchRunner:
             rep["reason"] = "not measured: the cell holds no context of " + str(self.WIDE_CONTEXTS[0]) + " tokens"
             return rep
 
-        @contextlib.contextmanager
-        def threads(th: int) -> Iterator[None]:      # the head as the short measurement chose (model.logits)
-            torch.set_num_threads(th)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(n)
-
-        one = "1" if head is None else f"1, head at {head}"
+        one = "1" if head is None else f"1, head at {head}"      # the head as the short measurement chose
         lost = None
         was, self.decode_threads = self.decode_threads, None      # decode() then keeps the variant's count
         try:
             for c in sorted(ctxs, reverse=True):
-                ms, same = self._decode_alternately({one: lambda: threads(1), str(n): lambda: threads(n)},
-                                                    reps, c, seed=29, with_kv=True, prefill=False)
+                variants = {one: lambda: _intra_op(1, n), str(n): lambda: _intra_op(n, n)}
+                ms, same = self._decode_alternately(variants, reps, c, seed=29, with_kv=True, prefill=False)
                 rep["median_ms"][str(c)] = ms
                 rep["bitwise_equal"] = rep["bitwise_equal"] and same
                 if not (same and ms[str(n)] < 0.9 * ms[one]):
@@ -242,9 +245,10 @@ class TorchRunner:
                 rep["from"] = c
         finally:
             self.decode_threads = was
-        self.decode_wide_from = rep["from"] if rep["bitwise_equal"] else None
         if not rep["bitwise_equal"]:
             rep["from"] = None
+        self.decode_wide_from = rep["from"]
+        if not rep["bitwise_equal"]:
             rep["reason"] = f"{n} threads' logits or K/V differ from one thread's at a long context: not taken"
         elif rep["from"] is None:
             rep["reason"] = f"{n} threads are not 10 % faster than one at {lost} tokens: one thread at every length"
@@ -263,13 +267,12 @@ class TorchRunner:
 
         @contextlib.contextmanager
         def threads(th: int, head: int | None = None) -> Iterator[None]:
-            torch.set_num_threads(th)
             if split:
                 self.model.head_threads = head
             try:
-                yield
+                with _intra_op(th, n):
+                    yield
             finally:
-                torch.set_num_threads(n)
                 if split:
                     self.model.head_threads = None
 
