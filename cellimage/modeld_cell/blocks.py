@@ -36,10 +36,19 @@ class Session:
     root: bytes = b""                      # its cache scope's chain root (Engine.scope_root); set at creation
     logits: torch.Tensor | None = None     # [V] fp32, next-token logits after `tokens` (kv_len == len(tokens))
     busy: str | None = None                # the running operation's name
+    # the first position whose K/V the recomputing decode step wrote (runner.decoded_kv "recompute"): not a
+    # prefill's bits, so never named in the prefix index nor reused by a plan; the engine computes the tokens from
+    # here again before any prefill after them or a snapshot (Engine._recompute_decoded). None: all exact
+    recompute_from: int | None = None
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     totals: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0,
                                                   "tokens_reused": 0, "tokens_computed": 0})
+
+    @property
+    def exact_len(self) -> int:
+        """How many leading tokens' K/V are the bits a prefill computes (reusable, nameable in the index)."""
+        return self.kv_len if self.recompute_from is None else min(self.kv_len, self.recompute_from)
 
 
 @dataclass
@@ -63,7 +72,9 @@ class BlockManager:
 
     def trim(self, s: Session) -> None:
         """Free blocks beyond what ``s.tokens`` needs (after a decode reservation or an interrupted prefill)."""
-        del s.hashes[s.kv_len // self.kv.block_size :]
+        if s.recompute_from is not None and s.recompute_from >= s.kv_len:
+            s.recompute_from = None                    # nothing the recomputing step wrote is held any more
+        del s.hashes[s.exact_len // self.kv.block_size :]
         keep = self.kv.blocks_for(len(s.tokens))
         if len(s.blocks) > keep:
             self.kv.free(s.blocks[keep:][::-1])        # tail first: it is evicted first
@@ -105,12 +116,14 @@ class BlockManager:
         return self.kv.clear_cache()
 
     def register(self, s: Session) -> None:
-        """Name the session's newly completed full blocks in the index (after prefill chunks, decode steps, restore)."""
+        """Name the session's newly completed full blocks in the index (after prefill chunks, decode steps, restore);
+        only blocks of exact K/V (Session.exact_len): a recomputing step's never are."""
         bs = self.kv.block_size
-        if not self.e.config.prefix_reuse or s.kv_len // bs <= len(s.hashes):
+        full = s.exact_len // bs
+        if not self.e.config.prefix_reuse or full <= len(s.hashes):
             return
         idx = self.kv.index
-        for i in range(len(s.hashes), s.kv_len // bs):
+        for i in range(len(s.hashes), full):
             parent = s.hashes[-1] if s.hashes else s.root
             blk = s.tokens[i * bs : (i + 1) * bs]
             h = chain_hash(parent, blk)
@@ -126,9 +139,9 @@ class BlockManager:
         idx = self.kv.index
         cands: list[tuple[int, Sequence[int]]] = [(b, idx.tokens(b)) for b in idx.children(h)]
         for o in self.e._sessions.values():     # live sessions of the same cache scope only
-            if (o is not exclude and o.root == exclude.root and o.kv_len > m * bs and len(o.hashes) >= m and len(o.blocks) > m
-                    and (m == 0 or o.hashes[m - 1] == h)):
-                cands.append((o.blocks[m], o.tokens[m * bs : min(o.kv_len, (m + 1) * bs)]))
+            if (o is not exclude and o.root == exclude.root and o.exact_len > m * bs and len(o.hashes) >= m
+                    and len(o.blocks) > m and (m == 0 or o.hashes[m - 1] == h)):
+                cands.append((o.blocks[m], o.tokens[m * bs : min(o.exact_len, (m + 1) * bs)]))
         best, best_n = None, 0
         for b, t in cands:
             n = common_prefix(t, want)
@@ -141,8 +154,8 @@ class BlockManager:
         (in place) wins ties; otherwise cached full blocks are shared and a mid-block divergence is copied."""
         bs = self.kv.block_size
         ref = self.kv.ref
-        # the session's own KV always continues; prefixReuse governs only the shared index below
-        own = common_prefix(s.tokens[: s.kv_len], toks)
+        # the session's own exact KV always continues; prefixReuse governs only the shared index below
+        own = common_prefix(s.tokens[: s.exact_len], toks)
         plan = Plan(keep=own, source="session" if own else None)
         if self.e.config.prefix_reuse and len(toks) > 1:
             cap = len(toks) - 1    # one token always runs: its logits start the decode and no shared slot is rewritten
@@ -208,7 +221,7 @@ class BlockManager:
         old = s.blocks
         s.blocks, s.hashes = list(plan.shared), list(plan.hashes)
         s.tokens = toks[: len(plan.shared) * self.kv.block_size]
-        s.kv_len, s.logits = len(s.tokens), None
+        s.kv_len, s.logits, s.recompute_from = len(s.tokens), None, None
         self.kv.free(old[::-1])
         self.grow(s, len(toks))
         if src is None:

@@ -61,6 +61,7 @@ def capability(e: Engine) -> dict:
                     "runner": e.runner.name, "startup_check": e.startup, "threads": torch.get_num_threads(),
                     "decode_threads": getattr(e.runner, "decode_threads_report", None),
                     "decode_step": getattr(e.runner, "decode_step_report", None),
+                    "decoded_kv": getattr(e.runner, "decoded_kv_report", None),
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
                     "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
                     "weights_layout": e.identity.get("weights_kernel"),       # as held: e.g. "dense; oneDNN-packed: 120"
@@ -138,6 +139,10 @@ def reuse_report(e: Engine) -> dict:
             "identity_root": e._root.hex(), "eviction": "LRU over unreferenced cached blocks",
             "exactness": reuse_exactness(e),
             "exactness_probe": e.model.chunking_probe or "passed: rows are invariant on this CPU's kernels",
+            # "exact": a decoded token's K/V are a prefill's bits; "recomputed": a one-session step's are not, and
+            # the tokens are computed again before anything is appended after them (runtime.decoded_kv has why)
+            "decoded_tokens": ("recomputed before reuse" if getattr(e.runner, "decoded_kv", "exact") == "recompute"
+                               else "exact"),
             "prefill_tok_s_measured": round(r, 1) if (r := e._prefill_rate()) else None,
             "cache_scopes": "cache_salt: a new session's blocks are shared only within its salt's scope",
             # MODELD_SESSION_STORE (journal.py): None when off
@@ -159,6 +164,7 @@ def sessions(e: Engine) -> list[dict]:
     return [{"session_id": s.id, "tokens": len(s.tokens), "kv_tokens": s.kv_len, "kv_blocks": len(s.blocks),
              "kv_blocks_shared": sum(1 for b in s.blocks if e.kv.ref[b] > 1),
              "kv_bytes": len(s.blocks) * e.kv.block_bytes, "busy": s.busy, "created": s.created,
+             "kv_exact_tokens": s.exact_len,
              "last_used": s.last_used, "totals": dict(s.totals)} for s in e._sessions.values()]
 
 

@@ -61,6 +61,9 @@ class EngineSettings:
     # a one-session CPU decode step as one TorchScript graph (decode_step.py): auto (measured, bits checked at start),
     # script (required), eager (never)
     decode_step: str = "auto"                           # MODELD_DECODE_STEP
+    # what a one-session CPU decode step writes to the cache (runner.choose_decoded_kv): exact (the bits a prefill of
+    # the token computes, kept), recompute (a faster step; the next prefill computes those tokens again), auto
+    decoded_kv: str = "auto"                            # MODELD_DECODED_KV
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -96,6 +99,10 @@ class EngineSettings:
         if step not in ("auto", "script", "eager"):
             raise ValueError(f"MODELD_DECODE_STEP must be auto, script or eager, got {step!r}")
         s.decode_step = step
+        dk = os.environ.get("MODELD_DECODED_KV", "auto").strip().lower() or "auto"
+        if dk not in ("auto", "exact", "recompute"):
+            raise ValueError(f"MODELD_DECODED_KV must be auto, exact or recompute, got {dk!r}")
+        s.decoded_kv = dk
         s.pack_weights = _switch("MODELD_PACK_WEIGHTS")
         s.int8_head = _switch("MODELD_INT8_HEAD")
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()

@@ -38,17 +38,33 @@ from .runner import contig_start
 PLAIN, PACKED, INT8, INT4 = 0, 1, 2, 3          # how a linear multiplies (``_linear``'s kind)
 
 
-def _linear(x: Tensor, kind: int, w: Tensor, aux: Tensor | None, bias: Tensor | None, group: int) -> Tensor:
+def _linear(x: Tensor, kind: int, w: Tensor, aux: Tensor | None, bias: Tensor | None, group: int,
+            exact: bool) -> Tensor:
     """A layer linear as the eager module multiplies it. kind: PLAIN 0, PACKED 1, INT8 2, INT4 3 (literals:
     TorchScript reads no module globals); aux: int8 scales or int4 scales_zeros; group: int4's group, or a
-    RowLinear's row tile."""
+    RowLinear's row tile. ``exact`` False: a dense row is multiplied alone, untiled (the recomputing step)."""
     if kind == 2:
         assert aux is not None
         return Q.int8_linear(x, w, aux, bias)
     if kind == 3:
         assert aux is not None
         return Q.int4_linear(x, w, group, aux, bias)
+    if not exact:
+        return M._mm(x, w, bias, kind == 1)
     return M.row_linear(x, w, bias, kind == 1, group)
+
+
+def one_call_row(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """A decode row's attention as one flash call over all its keys (the recomputing step): q [1, Hq, D], k, v
+    [n, Hkv, D] (the row's own key last). A query head's group of Hq / Hkv rows attends to its KV head as one flash
+    head; no mask: a decode row sees every cached key. Not the bits of a prefill of the row
+    (``model.segmented_row`` is: 512-key segments and an LSE merge), which is why the tokens it decodes are
+    computed again by the next prefill."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.view(1, hkv, hq // hkv, d), k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0), scale=scale)
+    return r[0].reshape(1, hq, d)
 
 
 def _past(cache: Tensor, table: Tensor, start: int, n: int, bs: int, dtype: torch.dtype) -> Tensor:
@@ -64,27 +80,35 @@ def _past(cache: Tensor, table: Tensor, start: int, n: int, bs: int, dtype: torc
 def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kinds: list[int], ws: list[Tensor],
                   auxs: list[Tensor | None], biases: list[Tensor | None], groups: list[int], kc: list[Tensor],
                   vc: list[Tensor], slot: Tensor, table: Tensor, start: int, n: int, bs: int, eps: float, hq: int,
-                  hkv: int, d: int, inter: int, seg: int, causal: Tensor, zeros: Tensor, scale: float) -> Tensor:
+                  hkv: int, d: int, inter: int, seg: int, causal: Tensor, zeros: Tensor, scale: float,
+                  exact: bool = True) -> Tensor:
     """Every transformer layer of one session's decode step (model.TransformerBlock.forward with a decode
     AttnMetadata of one session). x: [1, dim] embedded token; cos, ssin: model.rope_rows of its position;
     norms: 2 per layer (attention, ffn); kinds/ws/auxs/biases/groups: 4 linears per layer (wqkv, wo, w13, w2);
     kc, vc: each layer's cache [num_blocks, BS, Hkv, D]; slot: [1] the token's flat slot; table: [nblk] int32 block table;
-    start: first block when consecutive else -1; n: tokens in the cache after this step. Returns x [1, dim]."""
+    start: first block when consecutive else -1; n: tokens in the cache after this step; exact: the eager step's
+    ops (the bits a prefill of the token computes), else the recomputing step's (``one_call_row``, a dense row
+    multiplied alone). Returns x [1, dim]."""
     for i in range(len(kc)):
         j = 4 * i
-        qkv = _linear(M.rms_norm(x, norms[2 * i], eps), kinds[j], ws[j], auxs[j], biases[j], groups[j])
+        qkv = _linear(M.rms_norm(x, norms[2 * i], eps), kinds[j], ws[j], auxs[j], biases[j], groups[j], exact)
         qk = M.rope_rotate(qkv[:, : (hq + hkv) * d].view(1, hq + hkv, d), cos, ssin)
         q, k = qk[:, :hq], qk[:, hq:]
         v = qkv[:, (hq + hkv) * d :].view(1, hkv, d)
         kc[i].view(-1, hkv, d).index_copy_(0, slot, k.to(kc[i].dtype))      # PagedKVCache.write
         vc[i].view(-1, hkv, d).index_copy_(0, slot, v.to(vc[i].dtype))
-        o = M.segmented_row(q[0:1], _past(kc[i], table, start, n, bs, q.dtype), _past(vc[i], table, start, n, bs,
-                                                                                        q.dtype),
-                            n - 1, scale, seg, causal, zeros)
-        h = x + _linear(o.reshape(1, hq * d), kinds[j + 1], ws[j + 1], auxs[j + 1], biases[j + 1], groups[j + 1])
+        kp = _past(kc[i], table, start, n, bs, q.dtype)
+        vp = _past(vc[i], table, start, n, bs, q.dtype)
+        if exact:
+            o = M.segmented_row(q[0:1], kp, vp, n - 1, scale, seg, causal, zeros)
+        else:
+            o = one_call_row(q[0:1], kp, vp, scale)
+        h = x + _linear(o.reshape(1, hq * d), kinds[j + 1], ws[j + 1], auxs[j + 1], biases[j + 1], groups[j + 1],
+                        exact)
         gu = _linear(M.rms_norm(h, norms[2 * i + 1], eps), kinds[j + 2], ws[j + 2], auxs[j + 2], biases[j + 2],
-                     groups[j + 2]).split(inter, -1)
-        x = h + _linear(F.silu(gu[0]) * gu[1], kinds[j + 3], ws[j + 3], auxs[j + 3], biases[j + 3], groups[j + 3])
+                     groups[j + 2], exact).split(inter, -1)
+        x = h + _linear(F.silu(gu[0]) * gu[1], kinds[j + 3], ws[j + 3], auxs[j + 3], biases[j + 3], groups[j + 3],
+                        exact)
     return x
 
 
@@ -127,13 +151,14 @@ def eligible(model: Any, kv: Any) -> str | None:
 class ScriptedDecode:
     """The compiled step over a model and its KV cache. Call with one token, its position and the session's block
     table; returns fp32 logits [1, V] (what ``model(...)`` returns for a one-session decode forward). The weights are
-    read off the modules at every call, so packing or unpacking them later is followed."""
+    read off the modules at every call, so packing or unpacking them later is followed. ``exact`` False: the
+    recomputing step (``decode_layers``' exact=False; its tokens' K/V are computed again by the next prefill)."""
 
-    def __init__(self, model: Any, kv: Any) -> None:
+    def __init__(self, model: Any, kv: Any, exact: bool = True) -> None:
         why = eligible(model, kv)
         if why is not None:
             raise ValueError(why)
-        self.model, self.kv = model, kv
+        self.model, self.kv, self.exact = model, kv, exact
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)      # torch.jit.script's deprecation notice
             self.fn = torch.jit.script(decode_layers)
@@ -177,5 +202,5 @@ class ScriptedDecode:
                         torch.tensor([table[pos // bs] * bs + pos % bs], dtype=torch.long, device=dev),
                         torch.tensor(table[:nblk], dtype=torch.int32, device=dev), start, n, bs, eps, hq, hkv, d,
                         inter, M.ATTN_SEGMENT, M._causal_rows(M.ATTN_SEGMENT, dtype, dev),
-                        M._zeros(hkv, M.ATTN_SEGMENT, d, dtype, dev), 1.0 / math.sqrt(d))
+                        M._zeros(hkv, M.ATTN_SEGMENT, d, dtype, dev), 1.0 / math.sqrt(d), self.exact)
         return m.logits(x)

@@ -31,7 +31,7 @@ from .kv_cache import PagedKVCache
 from .loader import DEFAULT_QUALITY_CACHE, load_engine, probe_model, serveable_tier, sibling_engine
 from .model import Transformer
 from .prefill import prefill
-from .prefix_index import root_hash
+from .prefix_index import common_prefix, root_hash
 from .runner import TorchThread, runner_for
 from .scheduler import DecodeReq, DecodeScheduler, grant, sample_token
 from .sparse_policy import SparsePolicy
@@ -75,7 +75,8 @@ class Engine:
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "prefix_cache_queries": 0,
                           "prefix_cache_hits": 0, "tokens_computed_total": 0, "requests_total": 0,
                           "decode_steps_total": 0, "decode_batch_tokens_total": 0,
-                          "prefix_cache_blocks_shared_total": 0, "prefix_cache_blocks_copied_total": 0}
+                          "prefix_cache_blocks_shared_total": 0, "prefix_cache_blocks_copied_total": 0,
+                          "decoded_tokens_recomputed_total": 0}
         self._errors: dict[str, int] = {}
         self._root = root_hash(self.reuse_key())       # every block chain of this identity starts here
         self._scope_roots: dict[str, bytes] = {}        # cache_salt -> its scope's root (scope_root)
@@ -273,6 +274,10 @@ class Engine:
         plan = self.blocks.plan(s, toks)
         lookup_ms = elapsed_ms(t_look)
         keep = plan.keep
+        if s.recompute_from is not None and plan.source != "prefix-cache":
+            # held beyond keep: the recomputing decode step's tokens, computed again
+            held = common_prefix(s.tokens[: s.kv_len], toks)
+            self._counters["decoded_tokens_recomputed_total"] += max(0, held - keep)
         nothing_to_do = keep == len(toks) == len(s.tokens) == s.kv_len
         if plan.need > plan.avail:
             raise self._err(errors.Overflow(
@@ -332,12 +337,16 @@ class Engine:
                 f"session holds {len(s.tokens)} tokens; {len(toks)} more exceed the context tier of "
                 f"{self.context_tier}", session_id=session_id, session_tokens=len(s.tokens), tokens=len(toks),
                 context_tier=self.context_tier))
-        self.blocks.fits(self.kv.blocks_for(total) - len(s.blocks) + self.blocks.cow_need(s, s.kv_len))
+        at = s.exact_len                # the recomputing step's tokens, if any, are computed again with the append
+        self.blocks.fits(self.kv.blocks_for(total) - len(s.blocks) + self.blocks.cow_need(s, at))
         self._claim(s, "prefill_suffix")
         self._counters["requests_total"] += 1
-        before = (list(s.tokens), s.kv_len, s.logits)
-        new = s.tokens[s.kv_len:] + toks                # the pending generated token, if any, runs first
+        before = (list(s.tokens), s.kv_len, s.logits, s.recompute_from)
+        new = s.tokens[at:] + toks                      # the pending generated token, if any, runs first
         tr_kw: dict[str, Any] = {"prompt_tokens": len(toks), "tokens_computed": len(new)}
+        if at < s.kv_len:                               # counted in tokens_computed, as the pending token is
+            self._counters["decoded_tokens_recomputed_total"] += s.kv_len - at
+            s.kv_len, s.logits, s.recompute_from = at, None, None
         att: list[dict] = []
         try:
             if new:
@@ -348,7 +357,8 @@ class Engine:
                 tr_kw["fallback"] = self.sparse_policy.fallback(att) if self.sparse else None
         except BaseException:
             # roll back: slots past the old length may hold new K/V but nothing reads them; restore the bookkeeping
-            s.tokens, s.kv_len, s.logits = before
+            # (slots the recompute rewrote hold a prefill's K/V of the same tokens: still valid, recomputed again)
+            s.tokens, s.kv_len, s.logits, s.recompute_from = before
             self.blocks.trim(s)
             raise
         finally:
@@ -428,6 +438,31 @@ class Engine:
             s.busy = None
 
     # ---- sessions
+
+    async def recompute_decoded(self, s: Session) -> int:
+        """Give the session's tokens from ``s.recompute_from`` on (the recomputing decode step's) a prefill's K/V
+        and logits, on a session the caller has claimed (a snapshot writes only exact K/V). Returns how many tokens
+        were computed. Interrupted, the session keeps every token, the recomputed prefix exact and the rest as the
+        decode step wrote it."""
+        at = s.recompute_from
+        if at is None or at >= s.kv_len:
+            s.recompute_from = None
+            return 0
+        tokens, kv_len, logits = list(s.tokens), s.kv_len, s.logits
+        redo = tokens[at:kv_len]
+        s.kv_len, s.logits, s.recompute_from = at, None, None
+        try:
+            await self.blocks.make_writable(s, at)
+            await prefill(self, s, redo, None)
+        except BaseException:
+            done = s.kv_len
+            s.tokens, s.kv_len, s.logits = tokens, kv_len, logits
+            s.recompute_from = done if done < kv_len else None
+            self.blocks.trim(s)
+            raise
+        s.tokens = tokens                                # the pending token, if any, stays pending
+        self._counters["decoded_tokens_recomputed_total"] += len(redo)
+        return len(redo)
 
     def close_session(self, session_id: str) -> None:
         s = self._session(session_id)

@@ -428,6 +428,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         if rk is None and cfg.backend == "torch":            # on the torch thread: OpenMP counts are per thread
             eng.on_torch_thread(eng.runner.choose_decode_threads, eng.settings.decode_threads)
             eng.on_torch_thread(eng.runner.choose_decode_step, eng.settings.decode_step)
+            eng.on_torch_thread(eng.runner.choose_decoded_kv, eng.settings.decoded_kv)
             eng.on_torch_thread(functools.partial(eng.runner.choose_decode_wide, eng.context_tier))
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()
@@ -504,4 +505,7 @@ def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: 
     if getattr(base.runner, "decode_step", None) is not None and e.settings.decode_step != "eager":
         # the base measured the scripted step faster on these weights; this pool checks its own bits (one token)
         e.on_torch_thread(e.runner.choose_decode_step, "auto", 1, 64, "the base engine")
+    if e.settings.decoded_kv == "recompute" or (
+            e.settings.decoded_kv == "auto" and getattr(base.runner, "decoded_kv", "exact") == "recompute"):
+        e.on_torch_thread(e.runner.choose_decoded_kv, "recompute")       # (auto: the base measured it worth it)
     return e

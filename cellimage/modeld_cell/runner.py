@@ -94,6 +94,12 @@ class TorchRunner:
         self.decode_threads_report: dict[str, Any] | None = None
         self.decode_step: Any = None                    # a validated decode_step.ScriptedDecode, or None: eager
         self.decode_step_report: dict[str, Any] | None = None
+        # "recompute": a one-session step runs ``recompute_step`` (decode_step.py, exact=False), whose K/V are not a
+        # prefill's bits, and the engine computes those tokens again before any prefill after them (Session.
+        # recompute_from); "exact": every decoded token's K/V are the bits a prefill of it computes
+        self.decoded_kv = "exact"
+        self.recompute_step: Any = None
+        self.decoded_kv_report: dict[str, Any] | None = None
 
     # the backend's attention for every forward (AttnMetadata.attend); None: model.py's torch paths
     attend: Callable[..., Tensor] | None = None
@@ -296,7 +302,7 @@ class TorchRunner:
 
     def _decode_alternately(self, variants: dict[str, Callable[[], AbstractContextManager[Any]]], reps: int,
                             context: int, seed: int, with_kv: bool, gap: float = 0.005,
-                            prefill: bool = True) -> tuple[dict[str, float], bool]:
+                            prefill: bool = True, seen: dict[str, Any] | None = None) -> tuple[dict[str, float], bool]:
         """The start-up measurements' scaffold: one session of ``context`` tokens (a fixed pseudo-random sequence,
         offset by ``seed``) prefilled into scratch blocks, then its next token decoded ``reps`` times under each
         variant in turn (``variants[name]()`` is the context the step runs in), ``gap`` seconds apart as served steps
@@ -304,7 +310,8 @@ class TorchRunner:
         expected: returns each variant's median ms (the first round dropped as warm-up) and whether every step's
         logits, and with ``with_kv`` the K/V every layer wrote for the token, equal the first step's bit for bit.
         ``prefill=False``: the scratch blocks hold seeded random K/V instead of a prefill's (an unquantized cache;
-        for timing long contexts without prefilling them)."""
+        for timing long contexts without prefilling them). ``seen``, when given, receives the prefill's seconds
+        (``prefill_s``) and each variant's last logits (``logits``)."""
         blocks = self.kv.allocate(self.kv.blocks_for(context + 1))
         times: dict[str, list[float]] = {k: [] for k in variants}
         first: tuple[Tensor, ...] | None = None
@@ -314,7 +321,10 @@ class TorchRunner:
         try:
             toks = [(i * 7919 + seed) % self.model.args.vocab_size for i in range(context + 1)]
             if prefill:
+                t0 = time.perf_counter()
                 self.prefill(toks[:context], 0, blocks)
+                if seen is not None:
+                    seen["prefill_s"] = time.perf_counter() - t0
             else:
                 g = torch.Generator().manual_seed(seed)
                 idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.k.device)
@@ -329,6 +339,8 @@ class TorchRunner:
                         t0 = time.perf_counter()
                         logits = self.decode([toks[context]], [context], [blocks])
                         times[name].append((time.perf_counter() - t0) * 1e3)
+                    if seen is not None:
+                        seen.setdefault("logits", {})[name] = logits
                     got: tuple[Tensor, ...] = (logits,)
                     if with_kv:
                         got += tuple(c.view(c.shape[0], -1, *c.shape[3:])[:, slot].clone()
@@ -390,6 +402,87 @@ class TorchRunner:
             raise errors.Fatal(f"MODELD_DECODE_STEP=script, but {why}")
         return rep
 
+    # the largest next-token KL divergence of the recomputing step's logits from the exact step's that
+    # choose_decoded_kv accepts: the q4_1 weights' quality smoke's bound on a whole-model change (quality.py), so
+    # a step that computes another function, not the same one rounded otherwise, is never served
+    RECOMPUTE_KL_MAX = 0.05
+
+    @torch.no_grad()
+    def choose_decoded_kv(self, setting: str = "auto", reps: int = 7, context: int = 512) -> dict[str, Any]:
+        """Whether a one-session decode step writes exact K/V or runs the recomputing step (call on the torch
+        thread, after choose_decode_step and before choose_decode_wide, which then times the step served).
+
+        The exact step (model.segmented_row's 512-key segments and LSE merge, a dense row multiplied as two) gives a
+        decoded token the K/V bits a prefill of it computes, which bitwise reuse of a session's replies rests on.
+        The recomputing step (decode_step.py, exact=False: one flash call over every key, a row multiplied alone)
+        does less work for other roundings; the engine then computes the tokens it decoded again, with the prefill,
+        before anything is appended after them (or a snapshot is written), so every K/V a later request reuses is
+        still a prefill's. ``setting`` (MODELD_DECODED_KV): "exact" never recomputes; "recompute" takes it wherever
+        the scripted step can serve the cell; "auto" measures here: one session of ``context`` tokens prefilled into
+        scratch blocks (timed: what recomputing a token costs), its next token decoded ``reps`` times each way
+        alternately. Taken when the recomputing step's median saves more than a prefilled token costs (each token
+        it decodes is computed again later) and its next-token KL divergence from the exact step's logits is at
+        most RECOMPUTE_KL_MAX."""
+        from . import decode_step
+        self.decoded_kv, self.recompute_step = "exact", None
+        rep: dict[str, Any] = {"decoded_kv": "exact", "setting": setting}
+        why = None
+        if setting == "exact":
+            why = "MODELD_DECODED_KV=exact"
+        elif type(self).forward is not TorchRunner.forward or self.attend is not None or self._decode_fn is not None:
+            why = f"the {self.name} runner's decode is not model.py's torch path"
+        else:
+            why = decode_step.eligible(self.model, self.kv)
+        step = None
+        if why is None:
+            try:
+                step = decode_step.ScriptedDecode(self.model, self.kv, exact=False)
+            except Exception as e:      # TorchScript absent or unable to compile this torch's ops
+                why = f"torch.jit.script failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+        if why is None and setting == "auto":
+            context = min(context, self.model.args.max_seq_len - 1)
+            if self.kv.free_blocks < self.kv.blocks_for(context + 1):
+                why = "not measured: no free KV blocks"
+            else:
+                rep.update(self._measure_recompute(step, reps, context))
+                if rep["kl"] > self.RECOMPUTE_KL_MAX:
+                    why = (f"the recomputing step's logits are {rep['kl']} (KL) from the exact step's, over "
+                           f"{self.RECOMPUTE_KL_MAX}: not taken")
+                elif rep["saved_ms"] <= rep["prefill_ms_per_token"]:
+                    why = (f"the recomputing step saves {rep['saved_ms']} ms a token, not more than recomputing it "
+                           f"costs ({rep['prefill_ms_per_token']} ms a prefilled token)")
+        if why is None:
+            self.decoded_kv, self.recompute_step = "recompute", step
+            rep.update(decoded_kv="recompute", reason=(
+                "MODELD_DECODED_KV=recompute" if setting == "recompute" else
+                f"the recomputing step saves {rep['saved_ms']} ms a token, more than recomputing it costs "
+                f"({rep['prefill_ms_per_token']} ms)"))
+        else:
+            rep["reason"] = why
+        self.decoded_kv_report = rep
+        return rep
+
+    def _measure_recompute(self, step: Any, reps: int, context: int) -> dict[str, Any]:
+        """choose_decoded_kv's measurement: the exact step served now (scripted or eager) against ``step``."""
+        @contextlib.contextmanager
+        def serving(kind: str) -> Iterator[None]:
+            self.decoded_kv, self.recompute_step = kind, step
+            try:
+                yield
+            finally:
+                self.decoded_kv, self.recompute_step = "exact", None
+
+        seen: dict[str, Any] = {}
+        ms, _ = self._decode_alternately({"exact": lambda: serving("exact"), "recompute": lambda: serving("recompute")},
+                                         reps, context, seed=17, with_kv=False, seen=seen)
+        ref = torch.log_softmax(seen["logits"]["exact"].float().reshape(-1), -1)
+        got = torch.log_softmax(seen["logits"]["recompute"].float().reshape(-1), -1)
+        kl = float((ref.exp() * (ref - got)).sum())
+        return {"median_ms": ms, "context": context, "reps": reps, "kl": round(max(kl, 0.0), 6),
+                "saved_ms": round(ms["exact"] - ms["recompute"], 2),
+                "prefill_ms_per_token": round(seen["prefill_s"] * 1e3 / context, 3),
+                "threads": self.decode_threads or torch.get_num_threads()}
+
     def _measure_decode_step(self, step: Any, reps: int, context: int) -> dict[str, Any]:
         @contextlib.contextmanager
         def stepping(s: Any) -> Iterator[None]:
@@ -428,12 +521,17 @@ class TorchRunner:
         logits = self.forward(toks, pos, meta, torch.tensor([len(tokens) - 1], device=dev))
         return logits[0], t_start, meta.sparse_log     # on the device: sampling reads only the ids back
 
+    def writes_exact(self, sessions: int) -> bool:
+        """Whether a decode step of ``sessions`` sessions writes the K/V bits a prefill computes (False: the
+        recomputing step, ``decoded_kv`` "recompute", which serves one-session steps only)."""
+        return not (sessions == 1 and self.decoded_kv == "recompute" and self.recompute_step is not None)
+
     def decode(self, toks: list[int], positions: list[int], tables: list[list[int]]) -> Tensor:
         """One token per session: toks[b] at positions[b]. Returns logits [B, V] fp32 on the device. One session
         runs at ``decode_threads`` and, when one was taken, through the scripted step (which builds its own tables)."""
         if len(toks) > 1:
             return self._decode_forward(toks, positions, tables)
-        step = self.decode_step
+        step = self.decode_step if self.writes_exact(1) else self.recompute_step
         n = torch.get_num_threads()
         threads = self.decode_threads
         if self.decode_wide_from is not None and positions[0] >= self.decode_wide_from:

@@ -223,7 +223,10 @@ class DecodeScheduler:
                 return
             self.e._counters["decode_steps_total"] += 1
             self.e._counters["decode_batch_tokens_total"] += len(batch)
+            exact = self.e.runner.writes_exact(len(batch))
             for i, r in enumerate(batch):
+                if not exact and r.session.recompute_from is None:
+                    r.session.recompute_from = r.session.kv_len     # computed again before the next prefill
                 r.session.kv_len += 1
                 r.session.logits = logits[i]
                 self.e.blocks.register(r.session)

@@ -166,6 +166,7 @@ async def write_session(eng: Engine, session_id: str, path: str) -> dict:
             return {"path": path, "bytes": size, "sha256": digest, "version": SNAPSHOT_VERSION,
                     "session_tokens": len(s.tokens), "kv_tokens": s.kv_len, "identity": header["identity"]}
 
+        await eng.recompute_decoded(s)     # the file holds a prefill's K/V only (the recomputing decode step's not)
         info, cancelled = await eng._thread.run(work)   # a cancellation waits for the write to finish
         if cancelled:
             raise asyncio.CancelledError()

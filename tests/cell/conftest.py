@@ -12,6 +12,7 @@ under 1e-3 (LOGIT_ATOL).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -34,14 +35,28 @@ def scripted_decode_step() -> None:
     against the eager step's at each start, and a difference stops the engine), not whichever step the start-up
     timing favours on this machine: the exactness tests then always run through it. Cells it cannot serve (a
     quantized KV cache, the Triton or multi-rank runners) decode eagerly, as batched steps and the unit tests'
-    comparisons do. Package scope: the setting is gone before the next tier's tests run in the same session."""
-    before = os.environ.get("MODELD_DECODE_STEP")
-    os.environ["MODELD_DECODE_STEP"] = "script"
+    comparisons do. Package scope: the setting is gone before the next tier's tests run in the same session. (The
+    session's ``engine`` names both settings itself; these cover the engines tests load on their own.)"""
+    yield from _env("MODELD_DECODE_STEP", "script")
+
+
+@pytest.fixture(scope="package", autouse=True)
+def exact_decoded_kv() -> None:
+    """Decoded tokens are written with a prefill's bits (MODELD_DECODED_KV=exact) in every cell-tier engine, whatever
+    the start-up measurement on this machine would pick: the exactness tests count the decoded tokens a later request
+    reuses, which the recomputing mode computes again instead (test_decoded_kv.py asks for that mode by name, and
+    sibling engines on the default ``auto`` follow the base engine's choice)."""
+    yield from _env("MODELD_DECODED_KV", "exact")
+
+
+def _env(name: str, value: str):
+    before = os.environ.get(name)
+    os.environ[name] = value
     yield
     if before is None:
-        os.environ.pop("MODELD_DECODE_STEP", None)
+        os.environ.pop(name, None)
     else:
-        os.environ["MODELD_DECODE_STEP"] = before
+        os.environ[name] = before
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +70,10 @@ def smollm2_path() -> str:
 
 @pytest.fixture(scope="session")
 def engine(smollm2_path: str) -> Engine:
-    eng = Engine.from_cell(SPEC, model_path=smollm2_path)
+    # Settings named here, not through the package fixtures' environment: pytest makes a session fixture before a
+    # package one, so this engine would otherwise read the variables before they are set. Siblings follow its steps.
+    settings = dataclasses.replace(EngineSettings.from_env(), decode_step="script", decoded_kv="exact")
+    eng = Engine.from_cell(SPEC, model_path=smollm2_path, settings=settings)
     yield eng
     eng.shutdown()
 

@@ -32,7 +32,8 @@ KERNEL = {"int8": Int8WeightOnlyLinear, "q4_1": Int4WeightOnlyLinear}
 def quant(request, smollm2_path: str) -> Engine:
     fmt = request.param
     spec = {**SPEC, "profile": {**SPEC["profile"], "weights": fmt, "kv": DTYPE}}
-    settings = EngineSettings(threads=torch.get_num_threads(), weights_path=f"{fmt}-{DTYPE}")
+    # decoded K/V exact: the multi-turn tests count the decoded tokens a later turn reuses (test_decoded_kv.py)
+    settings = EngineSettings(threads=torch.get_num_threads(), weights_path=f"{fmt}-{DTYPE}", decoded_kv="exact")
     eng = Engine.from_cell(spec, model_path=smollm2_path, settings=settings, gate=False)
     eng.fmt = fmt
     yield eng
@@ -159,7 +160,7 @@ def test_a_path_ranked_first_at_the_served_decode_count_is_built_instead(smollm2
         return eng
     monkeypatch.setattr(loader, "_build_engine", build)
     spec = {**SPEC, "profile": {**SPEC["profile"], "weights": "q4_1", "kv": "fp32"}}
-    settings = EngineSettings(threads=2, decode_step="eager")
+    settings = EngineSettings(threads=2, decode_step="eager", decoded_kv="exact")
     eng = Engine.from_cell(spec, model_path=smollm2_path, settings=settings, quality_cache=str(tmp_path), gate=False)
     try:
         assert built == ["dense-fp32", "q4_1-fp32"]

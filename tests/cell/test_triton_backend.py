@@ -40,7 +40,7 @@ def pair(smollm2_path):
     """(torch engine, triton engine) over the first LAYERS layers of the same weights, fp32 weights and KV. Both
     multiply the weights plain: a packed fp32 weight rounds differently (docs/reuse.md), and a quantized KV format
     turns that 1e-6 into a flipped code (measured: int8 KV logits 2.7e-3 apart with the torch side packed)."""
-    st = EngineSettings(threads=torch.get_num_threads(), pack_weights=False)
+    st = EngineSettings(threads=torch.get_num_threads(), pack_weights=False, decoded_kv="exact")
     ref = Engine.from_cell(SPEC, model_path=smollm2_path, settings=st, layers=LAYERS)
     tri = Engine.from_cell(TRITON_SPEC, model_path=smollm2_path, settings=EngineSettings(threads=st.threads),
                            device=DEVICE, layers=LAYERS)

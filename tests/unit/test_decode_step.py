@@ -153,3 +153,112 @@ def test_the_decode_step_setting_is_read_and_checked(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("MODELD_DECODE_STEP", "compiled")
     with pytest.raises(ValueError, match="MODELD_DECODE_STEP must be auto, script or eager"):
         EngineSettings.from_env()
+
+
+# ---- the recomputing step (MODELD_DECODED_KV): the same function, other roundings; chosen by what it saves
+
+@pytest.mark.parametrize(("kind", "dtype"), [("plain", torch.float32), ("packed", torch.float32),
+                                             ("packed-tiled", torch.bfloat16), ("q4_1", torch.float32)],
+                         ids=["plain-fp32", "packed-fp32", "packed-tiled-bf16", "q4_1-fp32"])
+def test_the_recomputing_step_computes_the_eager_function_within_rounding(kind: str, dtype: torch.dtype) -> None:
+    """Past the first 512-key segment, over a scattered block table: the recomputing step's logits and the K/V it
+    writes are the eager step's up to rounding (bf16: a few of its ulps over two layers), never another function."""
+    if kind.startswith("packed") and not M.can_pack(dtype):
+        pytest.skip(str(M.pack_refused(dtype)))
+    m = _model(kind, dtype)
+    r = _runner(m, "bf16" if dtype == torch.bfloat16 else "fp32")
+    fast = DS.ScriptedDecode(m, r.kv, exact=False)
+    nblk = r.kv.blocks_for(CONTEXT + 4)
+    a, b = r.kv.allocate(nblk)[::-1], r.kv.allocate(nblk)
+    toks = [(i * 31 + 7) % m.args.vocab_size for i in range(CONTEXT)]
+    r.prefill(toks, 0, a)
+    r.prefill(toks, 0, b)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    tok = toks[-1]
+    for i in range(3):
+        pos = CONTEXT + i
+        eager = r.decode([tok], [pos], [b])
+        got = fast(tok, pos, a)
+        assert got.shape == eager.shape == (1, m.args.vocab_size) and got.dtype == torch.float32
+        torch.testing.assert_close(got, eager, **tol)
+        tok = int(eager[0].argmax())
+    for x, y in zip(_kv_of(r, a), _kv_of(r, b), strict=True):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
+def test_one_call_row_is_softmax_attention_over_every_key() -> None:
+    """The recomputing step's attention against the textbook formula: each of 4 query heads attends to its KV head
+    (2 query heads per KV head), over every key, no mask."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((1, 4, 16), (700, 2, 16), (700, 2, 16)))
+    scale = 0.25
+    got = DS.one_call_row(q, k, v, scale)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)        # [n, 4, D]: query head h -> h // 2
+    w = torch.softmax(torch.einsum("hd,nhd->hn", q[0], kk) * scale, -1)
+    torch.testing.assert_close(got[0], torch.einsum("hn,nhd->hd", w, vv), rtol=1e-5, atol=1e-5)
+
+
+class _Priced(TorchRunner):
+    """A runner whose prefill costs ``prefill_ms`` a token and whose one-session step takes ``exact_ms`` or
+    ``recompute_ms`` by which step serves, returning ``logits`` of either (choose_decoded_kv's logic)."""
+
+    def __init__(self, exact_ms: float, recompute_ms: float, prefill_ms: float,
+                 logits: dict[str, list[float]] | None = None) -> None:
+        super().__init__(_model("plain", torch.float32), PagedKVCache(2, 2, 16, kv_format("fp32"), 1 << 22, 16))
+        self.exact_ms, self.recompute_ms, self.prefill_ms = exact_ms, recompute_ms, prefill_ms
+        self.stated = logits or {"exact": [0.0, 1.0, 2.0], "recompute": [0.0, 1.0, 2.0]}
+
+    def prefill(self, tokens, start, blocks, sparse=None):  # type: ignore[no-untyped-def]
+        import time
+        time.sleep(len(tokens) * self.prefill_ms / 1e3)
+        return torch.zeros(3), 0.0, []
+
+    def decode(self, toks, positions, tables):  # type: ignore[no-untyped-def]
+        import time
+        kind = "exact" if self.writes_exact(len(toks)) else "recompute"
+        time.sleep((self.exact_ms if kind == "exact" else self.recompute_ms) / 1e3)
+        return torch.tensor([self.stated[kind]])
+
+
+def test_decoded_kv_recomputes_where_the_step_saves_more_than_the_recompute_costs() -> None:
+    """The test's own prices: a 12 ms exact step against a 4 ms recomputing one saves 8 ms a token, more than
+    0.1 ms a prefilled token: taken; saving 1 ms against 3 ms a prefilled token: not."""
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, prefill_ms=0.1)
+    rep = r.choose_decoded_kv("auto", reps=3, context=32)
+    assert r.decoded_kv == "recompute" and r.recompute_step is not None and rep["decoded_kv"] == "recompute"
+    assert rep["saved_ms"] > rep["prefill_ms_per_token"] and rep["kl"] == 0.0 and r.kv.used_blocks == 0
+    assert not r.writes_exact(1) and r.writes_exact(2)        # batched steps stay exact
+    r = _Priced(exact_ms=5.0, recompute_ms=4.0, prefill_ms=3.0)
+    rep = r.choose_decoded_kv("auto", reps=3, context=8)
+    assert r.decoded_kv == "exact" and r.recompute_step is None and r.writes_exact(1)
+    assert "not more than recomputing it costs" in rep["reason"]
+
+
+def test_decoded_kv_refuses_a_step_whose_logits_are_another_function() -> None:
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, prefill_ms=0.1,
+                logits={"exact": [0.0, 0.0, 9.0], "recompute": [9.0, 0.0, 0.0]})
+    rep = r.choose_decoded_kv("auto", reps=3, context=32)
+    assert r.decoded_kv == "exact" and rep["kl"] > TorchRunner.RECOMPUTE_KL_MAX and "(KL)" in rep["reason"]
+
+
+def test_decoded_kv_settings_and_what_cannot_recompute() -> None:
+    r = _runner(_model("plain", torch.float32))
+    assert r.choose_decoded_kv("exact")["reason"] == "MODELD_DECODED_KV=exact" and r.writes_exact(1)
+    rep = r.choose_decoded_kv("recompute")               # untimed
+    assert r.decoded_kv == "recompute" and "median_ms" not in rep and not r.writes_exact(1)
+    blocks = r.kv.allocate(2)
+    r.prefill([1, 2, 3], 0, blocks)
+    assert r.decode([4], [3], [blocks]).shape == (1, 96)   # served by the recomputing step
+    r = _runner(_model("plain", torch.float32), kv_fmt="int8")
+    rep = r.choose_decoded_kv("recompute")
+    assert r.decoded_kv == "exact" and "quantized (int8)" in rep["reason"]
+
+
+def test_the_decoded_kv_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MODELD_DECODED_KV", raising=False)
+    assert EngineSettings.from_env().decoded_kv == "auto"
+    monkeypatch.setenv("MODELD_DECODED_KV", " Recompute")
+    assert EngineSettings.from_env().decoded_kv == "recompute"
+    monkeypatch.setenv("MODELD_DECODED_KV", "fast")
+    with pytest.raises(ValueError, match="MODELD_DECODED_KV must be auto, exact or recompute"):
+        EngineSettings.from_env()

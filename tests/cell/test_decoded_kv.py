@@ -1,0 +1,148 @@
+"""A cell whose one-session decode runs the recomputing step (MODELD_DECODED_KV=recompute, runner.choose_decoded_kv):
+the K/V it writes are not a prefill's bits, so the engine never names them in the prefix index, never reuses them
+for a plan, and computes those tokens again before anything is appended after them or a snapshot is written. What
+a later request reuses is then still a prefill's K/V: the real model, fp32, each continuation held to a cold
+prefill of the same tokens (bit for bit where this CPU's probe says reuse is bitwise, else within LOGIT_ATOL)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from modeld_cell import errors
+from modeld_cell.engine import Engine, EngineSettings
+
+from .cellutil import LOGIT_ATOL, full_logits, generate
+
+pytestmark = pytest.mark.cell
+
+TEXT = ("The lighthouse keeper counted the ships every night and wrote their names in a blue book. "
+        "One winter a ship without a name came into the harbour, and nobody on board would say where from. ")
+
+
+def _recomputing(make_engine, kv_mib: int = 16) -> Engine:
+    eng = make_engine(kv_mib=kv_mib, settings=EngineSettings(threads=torch.get_num_threads(), decoded_kv="recompute"))
+    assert eng.runner.decoded_kv == "recompute", eng.runner.decoded_kv_report
+    return eng
+
+
+def _prompt(eng: Engine, n: int) -> list[int]:
+    ids = eng.tokenizer.encode(TEXT * 8)[:n]
+    assert len(ids) == n
+    return ids
+
+
+async def _assert_cold(eng: Engine, sid: str, salt: str) -> None:
+    """The session's next-token logits against a cold prefill of its tokens in a cache scope of their own (nothing
+    reused), and against the one-pass reference."""
+    toks = eng.session_tokens(sid)
+    got = eng.next_token_logits(sid)
+    assert got is not None
+    cold_sid = f"cold-{salt}"
+    tr = await eng.ensure_prefix(cold_sid, toks, cache_salt=salt)
+    assert tr.tokens_reused == 0
+    cold = eng.next_token_logits(cold_sid)
+    if eng.reuse_exactness() == "bitwise":
+        assert torch.equal(got, cold)
+    else:
+        torch.testing.assert_close(got, cold, atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(got, full_logits(eng, toks)[-1], atol=LOGIT_ATOL, rtol=0)
+    eng.close_session(cold_sid)
+
+
+async def test_decoded_tokens_are_never_named_and_are_recomputed_with_the_append(engine, make_engine):
+    eng = _recomputing(make_engine)
+    rep = eng.capability()
+    assert rep["runtime"]["decoded_kv"]["decoded_kv"] == "recompute"
+    assert rep["reuse"]["decoded_tokens"] == "recomputed before reuse"
+    p = _prompt(eng, 45)
+    await eng.ensure_prefix("a", p)
+    ids, _, _ = await generate(eng, "a", 20, ignore_eos=True)
+    assert len(ids) == 20
+    s = eng._sessions["a"]
+    # 45 prefilled, 19 decoded into the cache, the 20th token pending
+    assert (s.kv_len, len(s.tokens), s.recompute_from, s.exact_len) == (64, 65, 45, 45)
+    assert len(s.hashes) == 2 and len(eng.kv.index) == 2          # the blocks of decoded K/V are never named
+    assert [x["kv_exact_tokens"] for x in eng.sessions() if x["session_id"] == "a"] == [45]
+
+    before = eng.metrics()["decoded_tokens_recomputed_total"]
+    suffix = _prompt(eng, 52)[45:]
+    tr = await eng.prefill_suffix("a", suffix)
+    assert (tr.prompt_tokens, tr.tokens_computed) == (7, 20 + 7)     # 19 decoded + the pending one + the suffix
+    assert eng.metrics()["decoded_tokens_recomputed_total"] - before == 19
+    assert s.recompute_from is None and s.exact_len == s.kv_len == len(s.tokens) == 72
+    assert len(s.hashes) == 72 // 16
+    await _assert_cold(eng, "a", "after-suffix")
+
+
+async def test_ensure_prefix_and_another_session_reuse_only_the_prefilled_tokens(engine, make_engine):
+    eng = _recomputing(make_engine)
+    p = _prompt(eng, 45)
+    await eng.ensure_prefix("a", p)
+    await generate(eng, "a", 12, ignore_eos=True)
+    toks = eng.session_tokens("a")
+    # the session itself, asked for what it holds: the decoded tokens run again
+    before = eng.metrics()["decoded_tokens_recomputed_total"]
+    tr = await eng.ensure_prefix("a", toks)
+    assert (tr.tokens_reused, tr.tokens_computed) == (45, len(toks) - 45) and tr.reuse["source"] == "session"
+    assert eng.metrics()["decoded_tokens_recomputed_total"] - before == len(toks) - 1 - 45
+    s = eng._sessions["a"]
+    assert s.recompute_from is None and s.exact_len == len(toks)
+    await _assert_cold(eng, "a", "a")
+    # decoded again; another session asking for all of it gets the prefilled tokens from the index and the live
+    # session, no more
+    await generate(eng, "a", 8, ignore_eos=True)
+    assert s.recompute_from == len(toks)
+    tr = await eng.ensure_prefix("b", eng.session_tokens("a"))
+    assert tr.tokens_reused == len(toks) and tr.reuse["source"] == "prefix-cache"
+    await _assert_cold(eng, "b", "b")
+
+
+async def test_a_snapshot_holds_prefill_bits_only(engine, make_engine, tmp_path):
+    eng = _recomputing(make_engine)
+    p = _prompt(eng, 30)
+    await eng.ensure_prefix("a", p)
+    await generate(eng, "a", 10, ignore_eos=True)
+    assert eng._sessions["a"].recompute_from == 30
+    info = await eng.snapshot("a", str(tmp_path / "a.snap"))
+    s = eng._sessions["a"]
+    assert s.recompute_from is None and info["kv_tokens"] == s.kv_len == len(s.tokens) - 1 == 39
+    await eng.restore("r", str(tmp_path / "a.snap"))
+    suffix = _prompt(eng, 36)[30:]
+    await eng.prefill_suffix("r", suffix)
+    await eng.prefill_suffix("a", suffix)
+    assert torch.equal(eng.next_token_logits("r"), eng.next_token_logits("a"))
+    await _assert_cold(eng, "r", "r")
+
+
+async def test_a_refused_append_keeps_the_decoded_tokens_to_recompute(engine, make_engine):
+    eng = _recomputing(make_engine)
+    p = _prompt(eng, 20)
+    await eng.ensure_prefix("a", p)
+    await generate(eng, "a", 8, ignore_eos=True)
+    s = eng._sessions["a"]
+    held = (list(s.tokens), s.kv_len, s.recompute_from)
+    with pytest.raises(errors.Timeout):
+        await eng.prefill_suffix("a", [11, 12, 13], deadline=time.monotonic() - 1)
+    assert (s.tokens, s.kv_len, s.recompute_from) == held
+    with pytest.raises(errors.Overflow):
+        await eng.prefill_suffix("a", [11] * (eng.context_tier - len(s.tokens) + 1))
+    assert (s.tokens, s.kv_len, s.recompute_from) == held
+    tr = await eng.prefill_suffix("a", [11, 12, 13])
+    assert tr.tokens_computed == 8 + 3 and s.recompute_from is None
+    await _assert_cold(eng, "a", "a")
+
+
+async def test_an_exact_cell_keeps_decoded_tokens(engine, make_engine):
+    """MODELD_DECODED_KV=exact: decoded K/V are a prefill's bits, named and reused as they are."""
+    eng = make_engine(kv_mib=16, settings=EngineSettings(threads=torch.get_num_threads(), decoded_kv="exact"))
+    assert eng.runner.decoded_kv == "exact" and eng.reuse_report()["decoded_tokens"] == "exact"
+    p = _prompt(eng, 45)
+    await eng.ensure_prefix("a", p)
+    await generate(eng, "a", 20, ignore_eos=True)
+    s = eng._sessions["a"]
+    assert s.recompute_from is None and s.exact_len == s.kv_len == 64 and len(s.hashes) == 4
+    tr = await eng.prefill_suffix("a", [11, 12])
+    assert tr.tokens_computed == 1 + 2
