@@ -121,6 +121,7 @@ def worker(a: argparse.Namespace) -> dict:
     asyncio.run(main())
     out["autotune"] = eng.config.weights_choice
     out["decode_threads"] = eng.runner.decode_threads_report
+    out["decoded_kv"] = eng.runner.decoded_kv_report
     out["threads"] = torch.get_num_threads()
     eng.shutdown()
     return out
@@ -143,6 +144,9 @@ def main() -> None:
     ap.add_argument("--decode-threads", default="",
                     help="comma-separated MODELD_DECODE_THREADS settings (auto, or a count); each path runs once "
                          "per setting (runner.choose_decode_threads; the JSON keeps each run's report)")
+    ap.add_argument("--decoded-kv", default="",
+                    help="comma-separated MODELD_DECODED_KV settings (auto, exact, recompute); each path runs once "
+                         "per setting (runner.choose_decoded_kv; the JSON keeps each run's report)")
     ap.add_argument("--out", default="_out/weights_cpu.json")
     ap.add_argument("--row-tile", type=int, help=argparse.SUPPRESS)    # worker mode
     ap.add_argument("--path", help=argparse.SUPPRESS)           # worker mode: one path, JSON on stdout
@@ -158,8 +162,11 @@ def main() -> None:
     dthreads: list[str | None] = a.decode_threads.split(",") if a.decode_threads else [None]
     if any(d != "auto" and not d.isdigit() for d in dthreads if d is not None):
         ap.error(f"--decode-threads takes auto and/or thread counts, got {a.decode_threads!r}")
-    for p, tile, head, dt in [(p, t, h, d) for p in a.paths.split(",") for t in tiles for h in heads
-                              for d in dthreads]:
+    dkvs: list[str | None] = a.decoded_kv.split(",") if a.decoded_kv else [None]
+    if any(d not in ("auto", "exact", "recompute") for d in dkvs if d is not None):
+        ap.error(f"--decoded-kv takes auto, exact and/or recompute, got {a.decoded_kv!r}")
+    for p, tile, head, dt, dkv in [(p, t, h, d, k) for p in a.paths.split(",") for t in tiles for h in heads
+                                   for d in dthreads for k in dkvs]:
         if p not in PATHS:
             ap.error(f"unknown path {p!r}; known: {', '.join(PATHS)}")
         env = {**os.environ, "MODELD_WEIGHTS_PATH": p}
@@ -167,13 +174,15 @@ def main() -> None:
             env["MODELD_INT8_HEAD"] = "1" if head == "int8" else "0"
         if dt is not None:
             env["MODELD_DECODE_THREADS"] = dt
+        if dkv is not None:
+            env["MODELD_DECODED_KV"] = dkv
         cmd = [sys.executable, __file__, "--path", p, "--contexts", a.contexts, "--decode-tokens",
                str(a.decode_tokens), "--top", str(a.top), "--cache", a.cache] + (
                ["--row-tile", str(tile)] if tile is not None else [])
         load0 = os.getloadavg()[0]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
-            runs.append({"path": p, "head_asked": head, "decode_threads_asked": dt,
+            runs.append({"path": p, "head_asked": head, "decode_threads_asked": dt, "decoded_kv_asked": dkv,
                          "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})
             print(f"{p}: failed: {runs[-1]['error']}", file=sys.stderr)
             continue
@@ -181,11 +190,12 @@ def main() -> None:
         run["loadavg_before"] = round(load0, 2)
         run["head_asked"] = head
         run["decode_threads_asked"] = dt
+        run["decoded_kv_asked"] = dkv
         runs.append(run)
         c = run["contexts"]
         dtr = run["decode_threads"] or {}
         print(f"{p:11s} {run['weights_layout']} ({run['reuse_exactness']}) decode threads {dtr.get('threads')}"
-              f" head {dtr.get('head_threads')} load {run['load_s']:5.1f} s  "
+              f" head {dtr.get('head_threads')} decoded K/V {(run['decoded_kv'] or {}).get('decoded_kv')} load {run['load_s']:5.1f} s  "
               f"rss {run['rss_after_load_mib']} MiB  weights {run['weights_mib']} MiB  "
               + "  ".join(f"{n}: prefill {v['prefill_tok_s']} tok/s decode {v['decode_ms_p50']} ms"
                           for n, v in c.items()))
