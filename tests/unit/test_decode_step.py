@@ -145,13 +145,18 @@ def test_a_sibling_pool_adopts_the_measured_step_after_checking_its_own_bits() -
     assert r.choose_decode_step("script", 1, 64, "the base engine")["step"] == "eager" and r.decode_step is None
 
 
-def test_the_decode_step_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MODELD_DECODE_STEP", raising=False)
-    assert EngineSettings.from_env().decode_step == "auto"
-    monkeypatch.setenv("MODELD_DECODE_STEP", "Script")
-    assert EngineSettings.from_env().decode_step == "script"
-    monkeypatch.setenv("MODELD_DECODE_STEP", "compiled")
-    with pytest.raises(ValueError, match="MODELD_DECODE_STEP must be auto, script or eager"):
+@pytest.mark.parametrize("var, attr, given, read, bad, refusal", [
+    ("MODELD_DECODE_STEP", "decode_step", "Script", "script", "compiled", "auto, script or eager"),
+    ("MODELD_DECODED_KV", "decoded_kv", " Recompute", "recompute", "fast", "auto, exact or recompute"),
+])
+def test_the_step_settings_are_read_and_checked(monkeypatch: pytest.MonkeyPatch, var: str, attr: str, given: str,
+                                                read: str, bad: str, refusal: str) -> None:
+    monkeypatch.delenv(var, raising=False)
+    assert getattr(EngineSettings.from_env(), attr) == "auto"
+    monkeypatch.setenv(var, given)
+    assert getattr(EngineSettings.from_env(), attr) == read
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ValueError, match=f"{var} must be {refusal}"):
         EngineSettings.from_env()
 
 
@@ -252,13 +257,3 @@ def test_decoded_kv_settings_and_what_cannot_recompute() -> None:
     r = _runner(_model("plain", torch.float32), kv_fmt="int8")
     rep = r.choose_decoded_kv("recompute")
     assert r.decoded_kv == "exact" and "quantized (int8)" in rep["reason"]
-
-
-def test_the_decoded_kv_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MODELD_DECODED_KV", raising=False)
-    assert EngineSettings.from_env().decoded_kv == "auto"
-    monkeypatch.setenv("MODELD_DECODED_KV", " Recompute")
-    assert EngineSettings.from_env().decoded_kv == "recompute"
-    monkeypatch.setenv("MODELD_DECODED_KV", "fast")
-    with pytest.raises(ValueError, match="MODELD_DECODED_KV must be auto, exact or recompute"):
-        EngineSettings.from_env()
