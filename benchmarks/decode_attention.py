@@ -4,8 +4,14 @@ SmolLM2-135M's shape (9 query heads over 3 KV heads of 64), timed as the cell co
   * ``segmented``: model.segmented_row, what a one-session decode step runs: the keys cut at absolute multiples of
     512, one flash call over the full segments, one over the open segment zero-padded to 512 keys (masked), and the
     merge of their LSEs; every row gets the bits a prefill of it computes (docs/reuse.md, "Exactness");
-  * ``one-call``: one flash call over all the keys, unpadded: what a decode kernel without that promise could run
-    (its bits differ from a prefill's; reported, never served).
+  * ``one-call``: one flash call over all the keys, unpadded: what the recomputing decode step runs
+    (MODELD_DECODED_KV=recompute; its bits differ from a prefill's, and the next prefill computes the tokens again);
+  * ``cpu_kernel``: kernels/paged_decode/cpu.c (built here with the machine's C compiler), the recomputing step's
+    attention where MODELD_CPU_KERNELS serves it: the row read in place from a paged cache of 16-token blocks through
+    a consecutive block table (``cpu_kernel``) and a shuffled one (``cpu_kernel_scattered``).
+
+Each timing cycles through --copies distinct layers' K/V (30: SmolLM2's layers), as a decode step reads each layer's
+keys once: with one copy the keys stay in the CPU's cache between calls and the figure is a warm one.
 
 It also counts, per padding granularity P, the open-segment lengths (1..512 keys) at which padding to the next
 multiple of P instead of to 512 changes the flash call's output or LSE bits (random inputs, seeded): whether the
@@ -36,13 +42,19 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300, help="calls per timing (median of --rounds)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (a one-session step often runs at 1)")
+    ap.add_argument("--copies", type=int, default=30, help="distinct layers' K/V each timing cycles through")
+    ap.add_argument("--no-padding", action="store_true", help="skip the padding count")
     ap.add_argument("--out", default="_out/decode_attention.json")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO / "cellimage"))
     import torch
 
     from modeld_cell import model as M
+    from modeld_cell.kernels.paged_decode import cpu
     from modeld_cell.profile_gate import hardware
+
+    build = cpu.load(None)
+    print(f"cpu kernel: {build['reason']}", flush=True)
 
     torch.set_num_threads(a.threads)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -64,8 +76,8 @@ def main() -> None:
 
     out: dict = {"command": " ".join(["decode_attention.py", *sys.argv[1:]]), "hardware": hardware("cpu"),
                  "threads": a.threads, "loadavg_start": round(os.getloadavg()[0], 2),
-                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timings_us": {},
-                 "padding": {}}
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "copies": a.copies,
+                 "cpu_kernel_build": build, "timings_us": {}, "padding": {}}
     for name in a.dtypes.split(","):
         dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
         causal, zeros = M._causal_rows(seg, dt, torch.device("cpu")), M._zeros(hkv, seg, d, dt, torch.device("cpu"))
@@ -74,16 +86,36 @@ def main() -> None:
         qq = torch.cat([qq, qq[:, :, -1:].expand(1, hkv, rows - hq // hkv, d)], 2)
         res = {}
         for n in (int(x) for x in a.contexts.split(",")):
-            k = torch.randn(n, hkv, d, generator=g).to(dt)
-            v = torch.randn(n, hkv, d, generator=g).to(dt)
-            kk, vv = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
+            bs, c = 16, a.copies
+            nblk = -(-n // bs)
+            pools = [(torch.randn(nblk + 2, bs, hkv, d, generator=g).to(dt),
+                      torch.randn(nblk + 2, bs, hkv, d, generator=g).to(dt)) for _ in range(c)]
+            flat = [(kc.view(-1, hkv, d)[:n], vc.view(-1, hkv, d)[:n]) for kc, vc in pools]
+            heads = [(k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)) for k, v in flat]
+            straight = torch.arange(nblk, dtype=torch.int32)
+            shuffled = torch.randperm(nblk + 2, generator=g)[:nblk].to(torch.int32)
+
+            def each(fn) -> float:  # noqa: ANN001
+                i = [0]
+
+                def one() -> None:
+                    fn(i[0] % a.copies)
+                    i[0] += 1
+                return us(one)
+
             res[str(n)] = {
-                "segmented": us(lambda: M.segmented_row(q, k, v, n - 1, scale, seg, causal, zeros)),  # noqa: B023
-                "one_call": us(lambda: flash(qq, kk, vv, scale=scale)),                               # noqa: B023
+                "segmented": each(lambda j: M.segmented_row(q, *flat[j], n - 1, scale, seg, causal, zeros)),  # noqa: B023
+                "one_call": each(lambda j: flash(qq, *heads[j], scale=scale)),                                # noqa: B023
             }
-            print(f"{name} {n:5d} keys: segmented {res[str(n)]['segmented']:7.1f} us, one call "
-                  f"{res[str(n)]['one_call']:7.1f} us", flush=True)
+            if build["loaded"]:
+                for key, table in (("cpu_kernel", straight), ("cpu_kernel_scattered", shuffled)):
+                    res[str(n)][key] = each(lambda j: torch.ops.modeld.paged_decode_cpu(  # noqa: B023
+                        q, *pools[j], table, n, scale))                                                   # noqa: B023
+            print(f"{name} {n:5d} keys: " + ", ".join(f"{k} {v:7.1f} us" for k, v in res[str(n)].items()),
+                  flush=True)
         out["timings_us"][name] = res
+        if a.no_padding:
+            continue
         # padding the open segment to a multiple of P keys instead of to 512: which lengths change the bits
         q4 = torch.randn(1, hkv, rows, d, generator=g).to(dt)
         kf = torch.randn(1, hkv, seg, d, generator=g).to(dt)

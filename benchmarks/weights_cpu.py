@@ -147,6 +147,9 @@ def main() -> None:
     ap.add_argument("--decoded-kv", default="",
                     help="comma-separated MODELD_DECODED_KV settings (auto, exact, recompute); each path runs once "
                          "per setting (runner.choose_decoded_kv; the JSON keeps each run's report)")
+    ap.add_argument("--cpu-kernels", default="",
+                    help="comma-separated MODELD_CPU_KERNELS settings (auto, on, off: the recomputing step's CPU "
+                         "attention kernel); each path runs once per setting")
     ap.add_argument("--out", default="_out/weights_cpu.json")
     ap.add_argument("--row-tile", type=int, help=argparse.SUPPRESS)    # worker mode
     ap.add_argument("--path", help=argparse.SUPPRESS)           # worker mode: one path, JSON on stdout
@@ -165,8 +168,11 @@ def main() -> None:
     dkvs: list[str | None] = a.decoded_kv.split(",") if a.decoded_kv else [None]
     if any(d not in ("auto", "exact", "recompute") for d in dkvs if d is not None):
         ap.error(f"--decoded-kv takes auto, exact and/or recompute, got {a.decoded_kv!r}")
-    for p, tile, head, dt, dkv in [(p, t, h, d, k) for p in a.paths.split(",") for t in tiles for h in heads
-                                   for d in dthreads for k in dkvs]:
+    cks: list[str | None] = a.cpu_kernels.split(",") if a.cpu_kernels else [None]
+    if any(c not in ("auto", "on", "off") for c in cks if c is not None):
+        ap.error(f"--cpu-kernels takes auto, on and/or off, got {a.cpu_kernels!r}")
+    for p, tile, head, dt, dkv, ck in [(p, t, h, d, k, c) for p in a.paths.split(",") for t in tiles for h in heads
+                                       for d in dthreads for k in dkvs for c in cks]:
         if p not in PATHS:
             ap.error(f"unknown path {p!r}; known: {', '.join(PATHS)}")
         env = {**os.environ, "MODELD_WEIGHTS_PATH": p}
@@ -176,6 +182,8 @@ def main() -> None:
             env["MODELD_DECODE_THREADS"] = dt
         if dkv is not None:
             env["MODELD_DECODED_KV"] = dkv
+        if ck is not None:
+            env["MODELD_CPU_KERNELS"] = ck
         cmd = [sys.executable, __file__, "--path", p, "--contexts", a.contexts, "--decode-tokens",
                str(a.decode_tokens), "--top", str(a.top), "--cache", a.cache] + (
                ["--row-tile", str(tile)] if tile is not None else [])
@@ -183,7 +191,7 @@ def main() -> None:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             runs.append({"path": p, "head_asked": head, "decode_threads_asked": dt, "decoded_kv_asked": dkv,
-                         "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})
+                         "cpu_kernels_asked": ck, "error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode})
             print(f"{p}: failed: {runs[-1]['error']}", file=sys.stderr)
             continue
         run = json.loads(r.stdout.strip().splitlines()[-1])
@@ -191,11 +199,13 @@ def main() -> None:
         run["head_asked"] = head
         run["decode_threads_asked"] = dt
         run["decoded_kv_asked"] = dkv
+        run["cpu_kernels_asked"] = ck
         runs.append(run)
         c = run["contexts"]
         dtr = run["decode_threads"] or {}
         print(f"{p:11s} {run['weights_layout']} ({run['reuse_exactness']}) decode threads {dtr.get('threads')}"
-              f" head {dtr.get('head_threads')} decoded K/V {(run['decoded_kv'] or {}).get('decoded_kv')} load {run['load_s']:5.1f} s  "
+              f" head {dtr.get('head_threads')} decoded K/V {(run['decoded_kv'] or {}).get('decoded_kv')}"
+              f" attention {((run['decoded_kv'] or {}).get('attention') or {}).get('served')} load {run['load_s']:5.1f} s  "
               f"rss {run['rss_after_load_mib']} MiB  weights {run['weights_mib']} MiB  "
               + "  ".join(f"{n}: prefill {v['prefill_tok_s']} tok/s decode {v['decode_ms_p50']} ms"
                           for n, v in c.items()))

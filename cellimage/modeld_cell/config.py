@@ -64,6 +64,9 @@ class EngineSettings:
     # what a one-session CPU decode step writes to the cache (runner.choose_decoded_kv): exact (the bits a prefill of
     # the token computes, kept), recompute (a faster step; the next prefill computes those tokens again), auto
     decoded_kv: str = "auto"                            # MODELD_DECODED_KV
+    # the CPU kernels built at start with the machine's C compiler (kernels/paged_decode/cpu.c, the recomputing
+    # step's attention): auto (built where a compiler is, served where measured faster), on (required), off
+    cpu_kernels: str = "auto"                           # MODELD_CPU_KERNELS
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -103,6 +106,10 @@ class EngineSettings:
         if dk not in ("auto", "exact", "recompute"):
             raise ValueError(f"MODELD_DECODED_KV must be auto, exact or recompute, got {dk!r}")
         s.decoded_kv = dk
+        ck = os.environ.get("MODELD_CPU_KERNELS", "auto").strip().lower() or "auto"
+        if ck not in ("auto", "on", "off"):
+            raise ValueError(f"MODELD_CPU_KERNELS must be auto, on or off, got {ck!r}")
+        s.cpu_kernels = ck
         s.pack_weights = _switch("MODELD_PACK_WEIGHTS")
         s.int8_head = _switch("MODELD_INT8_HEAD")
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from . import model as M
 from . import quantize as Q
+from .kernels.paged_decode import cpu as cpu_attention  # registers torch.ops.modeld.paged_decode_cpu
 from .runner import contig_start
 
 PLAIN, PACKED, INT8, INT4 = 0, 1, 2, 3          # how a linear multiplies (``_linear``'s kind)
@@ -81,14 +82,15 @@ def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kin
                   auxs: list[Tensor | None], biases: list[Tensor | None], groups: list[int], kc: list[Tensor],
                   vc: list[Tensor], slot: Tensor, table: Tensor, start: int, n: int, bs: int, eps: float, hq: int,
                   hkv: int, d: int, inter: int, seg: int, causal: Tensor, zeros: Tensor, scale: float,
-                  exact: bool = True) -> Tensor:
+                  exact: bool = True, kernel: bool = False) -> Tensor:
     """Every transformer layer of one session's decode step (model.TransformerBlock.forward with a decode
     AttnMetadata of one session). x: [1, dim] embedded token; cos, ssin: model.rope_rows of its position;
     norms: 2 per layer (attention, ffn); kinds/ws/auxs/biases/groups: 4 linears per layer (wqkv, wo, w13, w2);
     kc, vc: each layer's cache [num_blocks, BS, Hkv, D]; slot: [1] the token's flat slot; table: [nblk] int32 block table;
     start: first block when consecutive else -1; n: tokens in the cache after this step; exact: the eager step's
     ops (the bits a prefill of the token computes), else the recomputing step's (``one_call_row``, a dense row
-    multiplied alone). Returns x [1, dim]."""
+    multiplied alone); kernel (recomputing step only): the row's attention by the CPU paged-decode kernel
+    (kernels/paged_decode/cpu.c), reading the cache in place through ``table``. Returns x [1, dim]."""
     for i in range(len(kc)):
         j = 4 * i
         qkv = _linear(M.rms_norm(x, norms[2 * i], eps), kinds[j], ws[j], auxs[j], biases[j], groups[j], exact)
@@ -97,12 +99,15 @@ def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kin
         v = qkv[:, (hq + hkv) * d :].view(1, hkv, d)
         kc[i].view(-1, hkv, d).index_copy_(0, slot, k.to(kc[i].dtype))      # PagedKVCache.write
         vc[i].view(-1, hkv, d).index_copy_(0, slot, v.to(vc[i].dtype))
-        kp = _past(kc[i], table, start, n, bs, q.dtype)
-        vp = _past(vc[i], table, start, n, bs, q.dtype)
-        if exact:
-            o = M.segmented_row(q[0:1], kp, vp, n - 1, scale, seg, causal, zeros)
+        if kernel and not exact:
+            o = torch.ops.modeld.paged_decode_cpu(q[0:1], kc[i], vc[i], table, n, scale)
         else:
-            o = one_call_row(q[0:1], kp, vp, scale)
+            kp = _past(kc[i], table, start, n, bs, q.dtype)
+            vp = _past(vc[i], table, start, n, bs, q.dtype)
+            if exact:
+                o = M.segmented_row(q[0:1], kp, vp, n - 1, scale, seg, causal, zeros)
+            else:
+                o = one_call_row(q[0:1], kp, vp, scale)
         h = x + _linear(o.reshape(1, hq * d), kinds[j + 1], ws[j + 1], auxs[j + 1], biases[j + 1], groups[j + 1],
                         exact)
         gu = _linear(M.rms_norm(h, norms[2 * i + 1], eps), kinds[j + 2], ws[j + 2], auxs[j + 2], biases[j + 2],
@@ -148,17 +153,33 @@ def eligible(model: Any, kv: Any) -> str | None:
     return None
 
 
+def kernel_eligible(model: Any, kv: Any) -> str | None:
+    """None when the recomputing step can take its attention from the CPU paged-decode kernel (loaded, and this
+    cache's and model's dtypes are ones it reads), else why not."""
+    if not cpu_attention.loaded():
+        return "the CPU paged-decode kernel is not loaded"
+    ok = (torch.float32, torch.bfloat16)
+    if kv.k.dtype not in ok or model.compute_dtype not in ok:
+        return f"the kernel reads fp32/bf16; this cache is {kv.k.dtype}, the compute dtype {model.compute_dtype}"
+    if not (kv.k.is_contiguous() and kv.v.is_contiguous()):
+        return "the KV pool is not contiguous"
+    return None
+
+
 class ScriptedDecode:
     """The compiled step over a model and its KV cache. Call with one token, its position and the session's block
     table; returns fp32 logits [1, V] (what ``model(...)`` returns for a one-session decode forward). The weights are
     read off the modules at every call, so packing or unpacking them later is followed. ``exact`` False: the
-    recomputing step (``decode_layers``' exact=False; its tokens' K/V are computed again by the next prefill)."""
+    recomputing step (``decode_layers``' exact=False; its tokens' K/V are computed again by the next prefill);
+    ``kernel`` True (recomputing step only): its attention by the CPU paged-decode kernel (``kernel_eligible``)."""
 
-    def __init__(self, model: Any, kv: Any, exact: bool = True) -> None:
+    def __init__(self, model: Any, kv: Any, exact: bool = True, kernel: bool = False) -> None:
         why = eligible(model, kv)
+        if why is None and kernel:
+            why = "the exact step never takes the kernel" if exact else kernel_eligible(model, kv)
         if why is not None:
             raise ValueError(why)
-        self.model, self.kv, self.exact = model, kv, exact
+        self.model, self.kv, self.exact, self.kernel = model, kv, exact, kernel
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)      # torch.jit.script's deprecation notice
             self.fn = torch.jit.script(decode_layers)
@@ -202,5 +223,5 @@ class ScriptedDecode:
                         torch.tensor([table[pos // bs] * bs + pos % bs], dtype=torch.long, device=dev),
                         torch.tensor(table[:nblk], dtype=torch.int32, device=dev), start, n, bs, eps, hq, hkv, d,
                         inter, M.ATTN_SEGMENT, M._causal_rows(M.ATTN_SEGMENT, dtype, dev),
-                        M._zeros(hkv, M.ATTN_SEGMENT, d, dtype, dev), 1.0 / math.sqrt(d), self.exact)
+                        M._zeros(hkv, M.ATTN_SEGMENT, d, dtype, dev), 1.0 / math.sqrt(d), self.exact, self.kernel)
         return m.logits(x)

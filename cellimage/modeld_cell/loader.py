@@ -428,7 +428,8 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         if rk is None and cfg.backend == "torch":            # on the torch thread: OpenMP counts are per thread
             eng.on_torch_thread(eng.runner.choose_decode_threads, eng.settings.decode_threads)
             eng.on_torch_thread(eng.runner.choose_decode_step, eng.settings.decode_step)
-            eng.on_torch_thread(eng.runner.choose_decoded_kv, eng.settings.decoded_kv)
+            eng.on_torch_thread(functools.partial(eng.runner.choose_decoded_kv, eng.settings.decoded_kv,
+                                                  kernels=eng.settings.cpu_kernels, cache_dir=quality_cache))
             eng.on_torch_thread(functools.partial(eng.runner.choose_decode_wide, eng.context_tier))
         if hasattr(eng.runner, "startup_check"):     # a device backend proves one real forward before serving
             eng.startup = eng.runner.startup_check()
@@ -507,5 +508,6 @@ def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: 
         e.on_torch_thread(e.runner.choose_decode_step, "auto", 1, 64, "the base engine")
     if e.settings.decoded_kv == "recompute" or (
             e.settings.decoded_kv == "auto" and getattr(base.runner, "decoded_kv", "exact") == "recompute"):
-        e.on_torch_thread(e.runner.choose_decoded_kv, "recompute")       # (auto: the base measured it worth it)
+        # (auto: the base measured it worth it; the kernel, loaded once a process, is found built)
+        e.on_torch_thread(functools.partial(e.runner.choose_decoded_kv, "recompute", kernels=e.settings.cpu_kernels))
     return e

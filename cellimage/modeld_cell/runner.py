@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import statistics
 import time
@@ -408,13 +409,14 @@ class TorchRunner:
     RECOMPUTE_KL_MAX = 0.05
 
     @torch.no_grad()
-    def choose_decoded_kv(self, setting: str = "auto", reps: int = 7, context: int = 512) -> dict[str, Any]:
+    def choose_decoded_kv(self, setting: str = "auto", reps: int = 7, context: int = 512, kernels: str = "auto",
+                          cache_dir: str | None = None) -> dict[str, Any]:
         """Whether a one-session decode step writes exact K/V or runs the recomputing step (call on the torch
         thread, after choose_decode_step and before choose_decode_wide, which then times the step served).
 
         The exact step (model.segmented_row's 512-key segments and LSE merge, a dense row multiplied as two) gives a
         decoded token the K/V bits a prefill of it computes, which bitwise reuse of a session's replies rests on.
-        The recomputing step (decode_step.py, exact=False: one flash call over every key, a row multiplied alone)
+        The recomputing step (decode_step.py, exact=False: one attention over every key, a row multiplied alone)
         does less work for other roundings; the engine then computes the tokens it decoded again, with the prefill,
         before anything is appended after them (or a snapshot is written), so every K/V a later request reuses is
         still a prefill's. ``setting`` (MODELD_DECODED_KV): "exact" never recomputes; "recompute" takes it wherever
@@ -422,8 +424,15 @@ class TorchRunner:
         scratch blocks (timed: what recomputing a token costs), its next token decoded ``reps`` times each way
         alternately. Taken when the recomputing step's median saves more than a prefilled token costs (each token
         it decodes is computed again later) and its next-token KL divergence from the exact step's logits is at
-        most RECOMPUTE_KL_MAX."""
+        most RECOMPUTE_KL_MAX.
+
+        The recomputing step's attention is torch's flash call, or the CPU paged-decode kernel
+        (kernels/paged_decode/cpu.c, built at start into ``cache_dir``) where ``kernels`` (MODELD_CPU_KERNELS)
+        allows: "auto" builds it where a C compiler is present and serves it when it decodes faster than the
+        flash call in the same alternating measurement (the auto measurement above, or one of the two alone under
+        "recompute"); "on" serves it untimed and is fatal where it cannot load; "off" never builds it."""
         from . import decode_step
+        from .kernels.paged_decode import cpu as cpu_attention
         self.decoded_kv, self.recompute_step = "exact", None
         rep: dict[str, Any] = {"decoded_kv": "exact", "setting": setting}
         why = None
@@ -433,26 +442,35 @@ class TorchRunner:
             why = f"the {self.name} runner's decode is not model.py's torch path"
         else:
             why = decode_step.eligible(self.model, self.kv)
-        step = None
+        steps: dict[str, Any] = {}
         if why is None:
             try:
-                step = decode_step.ScriptedDecode(self.model, self.kv, exact=False)
+                steps["flash"] = decode_step.ScriptedDecode(self.model, self.kv, exact=False)
             except Exception as e:      # TorchScript absent or unable to compile this torch's ops
                 why = f"torch.jit.script failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+        if why is None:
+            rep["attention"] = self._recompute_kernel(kernels, cache_dir, cpu_attention, decode_step, steps)
+            if kernels == "on":
+                steps.pop("flash")          # served untimed: only its own step is measured
         if why is None and setting == "auto":
             context = min(context, self.model.args.max_seq_len - 1)
             if self.kv.free_blocks < self.kv.blocks_for(context + 1):
                 why = "not measured: no free KV blocks"
             else:
-                rep.update(self._measure_recompute(step, reps, context))
+                rep.update(self._measure_recompute(steps, reps, context))
                 if rep["kl"] > self.RECOMPUTE_KL_MAX:
                     why = (f"the recomputing step's logits are {rep['kl']} (KL) from the exact step's, over "
                            f"{self.RECOMPUTE_KL_MAX}: not taken")
                 elif rep["saved_ms"] <= rep["prefill_ms_per_token"]:
                     why = (f"the recomputing step saves {rep['saved_ms']} ms a token, not more than recomputing it "
                            f"costs ({rep['prefill_ms_per_token']} ms a prefilled token)")
+        elif why is None and len(steps) > 1 and kernels == "auto":
+            context = min(context, self.model.args.max_seq_len - 1)
+            if self.kv.free_blocks >= self.kv.blocks_for(context + 1):
+                rep.update(self._measure_recompute(steps, reps, context, exact=False))
         if why is None:
-            self.decoded_kv, self.recompute_step = "recompute", step
+            served = self._serve_attention(rep, steps, kernels)
+            self.decoded_kv, self.recompute_step = "recompute", steps[served]
             rep.update(decoded_kv="recompute", reason=(
                 "MODELD_DECODED_KV=recompute" if setting == "recompute" else
                 f"the recomputing step saves {rep['saved_ms']} ms a token, more than recomputing it costs "
@@ -462,26 +480,75 @@ class TorchRunner:
         self.decoded_kv_report = rep
         return rep
 
-    def _measure_recompute(self, step: Any, reps: int, context: int) -> dict[str, Any]:
-        """choose_decoded_kv's measurement: the exact step served now (scripted or eager) against ``step``."""
+    @staticmethod
+    def _recompute_kernel(kernels: str, cache_dir: str | None, cpu_attention: Any, decode_step: Any,
+                          steps: dict[str, Any]) -> dict[str, Any]:
+        """choose_decoded_kv's kernel half: loads the CPU paged-decode kernel unless ``kernels`` is "off" and adds
+        the recomputing step that calls it to ``steps`` ("kernel"). Returns the report's ``attention`` entry."""
+        if kernels == "off":
+            return {"served": "flash", "reason": "MODELD_CPU_KERNELS=off"}
+        flash = steps["flash"]
+        build = cpu_attention.load(cache_dir)
+        why = build["reason"] if not build["loaded"] else decode_step.kernel_eligible(flash.model, flash.kv)
+        if why is None:
+            try:
+                steps["kernel"] = decode_step.ScriptedDecode(flash.model, flash.kv, exact=False, kernel=True)
+            except Exception as e:
+                why = f"torch.jit.script failed with the kernel: {type(e).__name__}: {str(e)[:200]}"
+        if why is not None and kernels == "on":
+            raise errors.Fatal(f"MODELD_CPU_KERNELS=on, but {why}")
+        return {"served": "flash", "build": build, **({"reason": why} if why else {})}
+
+    @staticmethod
+    def _serve_attention(rep: dict[str, Any], steps: dict[str, Any], kernels: str) -> str:
+        """Which recomputing step serves: the kernel's when it was measured faster than the flash call's, or
+        untimed under MODELD_CPU_KERNELS=on; records it (and why) in ``rep["attention"]``."""
+        att = rep["attention"]
+        if "kernel" not in steps:
+            return "flash"
+        ms = rep.get("median_ms", {})
+        if kernels == "on":
+            att.update(served="kernel", reason="MODELD_CPU_KERNELS=on")
+        elif "kernel" in ms and ms["kernel"] < ms["flash"]:
+            att.update(served="kernel", reason=f"the kernel's step took {ms['kernel']} ms, the flash call's "
+                                               f"{ms['flash']} ms")
+        elif "kernel" in ms:
+            att.update(reason=f"the kernel's step took {ms['kernel']} ms, not less than the flash call's "
+                              f"{ms['flash']} ms")
+        else:
+            att.update(reason="not measured: no free KV blocks")
+        return str(att["served"])
+
+    def _measure_recompute(self, steps: dict[str, Any], reps: int, context: int,
+                           exact: bool = True) -> dict[str, Any]:
+        """choose_decoded_kv's measurement: the exact step served now (scripted or eager; unless ``exact`` is False)
+        against each recomputing step of ``steps`` (by its attention: "flash", "kernel"), taking turns. The figures
+        (KL, saved ms) are the fastest recomputing step's."""
         @contextlib.contextmanager
-        def serving(kind: str) -> Iterator[None]:
+        def serving(kind: str, step: Any) -> Iterator[None]:
             self.decoded_kv, self.recompute_step = kind, step
             try:
                 yield
             finally:
                 self.decoded_kv, self.recompute_step = "exact", None
 
+        variants: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
+        if exact:
+            variants["exact"] = lambda: serving("exact", None)
+        for name, step in steps.items():
+            variants[name] = functools.partial(serving, "recompute", step)
         seen: dict[str, Any] = {}
-        ms, _ = self._decode_alternately({"exact": lambda: serving("exact"), "recompute": lambda: serving("recompute")},
-                                         reps, context, seed=17, with_kv=False, seen=seen)
-        ref = torch.log_softmax(seen["logits"]["exact"].float().reshape(-1), -1)
-        got = torch.log_softmax(seen["logits"]["recompute"].float().reshape(-1), -1)
-        kl = float((ref.exp() * (ref - got)).sum())
-        return {"median_ms": ms, "context": context, "reps": reps, "kl": round(max(kl, 0.0), 6),
-                "saved_ms": round(ms["exact"] - ms["recompute"], 2),
-                "prefill_ms_per_token": round(seen["prefill_s"] * 1e3 / context, 3),
-                "threads": self.decode_threads or torch.get_num_threads()}
+        ms, _ = self._decode_alternately(variants, reps, context, seed=17, with_kv=False, seen=seen)
+        out: dict[str, Any] = {"median_ms": ms, "context": context, "reps": reps,
+                               "threads": self.decode_threads or torch.get_num_threads()}
+        if exact:
+            best = min(steps, key=lambda k: ms[k])
+            ref = torch.log_softmax(seen["logits"]["exact"].float().reshape(-1), -1)
+            got = torch.log_softmax(seen["logits"][best].float().reshape(-1), -1)
+            kl = float((ref.exp() * (ref - got)).sum())
+            out.update(kl=round(max(kl, 0.0), 6), saved_ms=round(ms["exact"] - ms[best], 2),
+                       prefill_ms_per_token=round(seen["prefill_s"] * 1e3 / context, 3))
+        return out
 
     def _measure_decode_step(self, step: Any, reps: int, context: int) -> dict[str, Any]:
         @contextlib.contextmanager

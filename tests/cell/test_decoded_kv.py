@@ -13,6 +13,7 @@ import torch
 
 from modeld_cell import errors
 from modeld_cell.engine import Engine, EngineSettings
+from modeld_cell.kernels.paged_decode import cpu as cpu_attention
 
 from .cellutil import LOGIT_ATOL, full_logits, generate
 
@@ -22,9 +23,16 @@ TEXT = ("The lighthouse keeper counted the ships every night and wrote their nam
         "One winter a ship without a name came into the harbour, and nobody on board would say where from. ")
 
 
+# the recomputing step's attention: the CPU paged-decode kernel wherever this machine can build it (untimed, so
+# these tests run it), else torch's flash call
+KERNELS = "on" if cpu_attention._compiler() is not None else "off"
+
+
 def _recomputing(make_engine, kv_mib: int = 16) -> Engine:
-    eng = make_engine(kv_mib=kv_mib, settings=EngineSettings(threads=torch.get_num_threads(), decoded_kv="recompute"))
+    eng = make_engine(kv_mib=kv_mib, settings=EngineSettings(threads=torch.get_num_threads(), decoded_kv="recompute",
+                                                             cpu_kernels=KERNELS))
     assert eng.runner.decoded_kv == "recompute", eng.runner.decoded_kv_report
+    assert eng.runner.recompute_step.kernel == (KERNELS == "on")
     return eng
 
 
@@ -57,6 +65,7 @@ async def test_decoded_tokens_are_never_named_and_are_recomputed_with_the_append
     rep = eng.capability()
     assert rep["runtime"]["decoded_kv"]["decoded_kv"] == "recompute"
     assert rep["reuse"]["decoded_tokens"] == "recomputed before reuse"
+    assert rep["runtime"]["decoded_kv"]["attention"]["served"] == ("kernel" if KERNELS == "on" else "flash")
     p = _prompt(eng, 45)
     await eng.ensure_prefix("a", p)
     ids, _, _ = await generate(eng, "a", 20, ignore_eos=True)

@@ -13,6 +13,7 @@ from modeld_cell import decode_step as DS
 from modeld_cell import errors
 from modeld_cell import model as M
 from modeld_cell.config import EngineSettings
+from modeld_cell.kernels.paged_decode import cpu as cpu_attention
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 from modeld_cell.quantize import quantize_model
 from modeld_cell.runner import TorchRunner
@@ -148,6 +149,7 @@ def test_a_sibling_pool_adopts_the_measured_step_after_checking_its_own_bits() -
 @pytest.mark.parametrize("var, attr, given, read, bad, refusal", [
     ("MODELD_DECODE_STEP", "decode_step", "Script", "script", "compiled", "auto, script or eager"),
     ("MODELD_DECODED_KV", "decoded_kv", " Recompute", "recompute", "fast", "auto, exact or recompute"),
+    ("MODELD_CPU_KERNELS", "cpu_kernels", " On", "on", "yes", "auto, on or off"),
 ])
 def test_the_step_settings_are_read_and_checked(monkeypatch: pytest.MonkeyPatch, var: str, attr: str, given: str,
                                                 read: str, bad: str, refusal: str) -> None:
@@ -162,17 +164,31 @@ def test_the_step_settings_are_read_and_checked(monkeypatch: pytest.MonkeyPatch,
 
 # ---- the recomputing step (MODELD_DECODED_KV): the same function, other roundings; chosen by what it saves
 
+def _kernel() -> None:
+    """The CPU paged-decode kernel loaded (built into a temporary directory once a process), or the test skipped
+    where this machine has no C compiler (the worker then serves the flash call, saying why)."""
+    if cpu_attention._compiler() is None:
+        pytest.skip("no C compiler on PATH: the worker leaves the CPU kernel off")
+    rep = cpu_attention.load(None)
+    assert rep["loaded"], rep["reason"]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["flash", "cpu-kernel"])
 @pytest.mark.parametrize(("kind", "dtype"), [("plain", torch.float32), ("packed", torch.float32),
                                              ("packed-tiled", torch.bfloat16), ("q4_1", torch.float32)],
                          ids=["plain-fp32", "packed-fp32", "packed-tiled-bf16", "q4_1-fp32"])
-def test_the_recomputing_step_computes_the_eager_function_within_rounding(kind: str, dtype: torch.dtype) -> None:
+def test_the_recomputing_step_computes_the_eager_function_within_rounding(kind: str, dtype: torch.dtype,
+                                                                          kernel: bool) -> None:
     """Past the first 512-key segment, over a scattered block table: the recomputing step's logits and the K/V it
-    writes are the eager step's up to rounding (bf16: a few of its ulps over two layers), never another function."""
+    writes are the eager step's up to rounding (bf16: a few of its ulps over two layers), never another function;
+    with its attention by torch's flash call or by the CPU paged-decode kernel reading the pages in place."""
     if kind.startswith("packed") and not M.can_pack(dtype):
         pytest.skip(str(M.pack_refused(dtype)))
+    if kernel:
+        _kernel()
     m = _model(kind, dtype)
     r = _runner(m, "bf16" if dtype == torch.bfloat16 else "fp32")
-    fast = DS.ScriptedDecode(m, r.kv, exact=False)
+    fast = DS.ScriptedDecode(m, r.kv, exact=False, kernel=kernel)
     nblk = r.kv.blocks_for(CONTEXT + 4)
     a, b = r.kv.allocate(nblk)[::-1], r.kv.allocate(nblk)
     toks = [(i * 31 + 7) % m.args.vocab_size for i in range(CONTEXT)]
@@ -205,12 +221,14 @@ def test_one_call_row_is_softmax_attention_over_every_key() -> None:
 
 class _Priced(TorchRunner):
     """A runner whose prefill costs ``prefill_ms`` a token and whose one-session step takes ``exact_ms`` or
-    ``recompute_ms`` by which step serves, returning ``logits`` of either (choose_decoded_kv's logic)."""
+    ``recompute_ms`` by which step serves (``kernel_ms`` the recomputing step with the CPU kernel, else as
+    recompute_ms), returning ``logits`` of either (choose_decoded_kv's logic)."""
 
     def __init__(self, exact_ms: float, recompute_ms: float, prefill_ms: float,
-                 logits: dict[str, list[float]] | None = None) -> None:
+                 logits: dict[str, list[float]] | None = None, kernel_ms: float | None = None) -> None:
         super().__init__(_model("plain", torch.float32), PagedKVCache(2, 2, 16, kv_format("fp32"), 1 << 22, 16))
         self.exact_ms, self.recompute_ms, self.prefill_ms = exact_ms, recompute_ms, prefill_ms
+        self.kernel_ms = recompute_ms if kernel_ms is None else kernel_ms
         self.stated = logits or {"exact": [0.0, 1.0, 2.0], "recompute": [0.0, 1.0, 2.0]}
 
     def prefill(self, tokens, start, blocks, sparse=None):  # type: ignore[no-untyped-def]
@@ -221,7 +239,8 @@ class _Priced(TorchRunner):
     def decode(self, toks, positions, tables):  # type: ignore[no-untyped-def]
         import time
         kind = "exact" if self.writes_exact(len(toks)) else "recompute"
-        time.sleep((self.exact_ms if kind == "exact" else self.recompute_ms) / 1e3)
+        ms = self.exact_ms if kind == "exact" else self.kernel_ms if self.recompute_step.kernel else self.recompute_ms
+        time.sleep(ms / 1e3)
         return torch.tensor([self.stated[kind]])
 
 
@@ -229,12 +248,12 @@ def test_decoded_kv_recomputes_where_the_step_saves_more_than_the_recompute_cost
     """The test's own prices: a 12 ms exact step against a 4 ms recomputing one saves 8 ms a token, more than
     0.1 ms a prefilled token: taken; saving 1 ms against 3 ms a prefilled token: not."""
     r = _Priced(exact_ms=12.0, recompute_ms=4.0, prefill_ms=0.1)
-    rep = r.choose_decoded_kv("auto", reps=3, context=32)
+    rep = r.choose_decoded_kv("auto", reps=3, context=32, kernels="off")
     assert r.decoded_kv == "recompute" and r.recompute_step is not None and rep["decoded_kv"] == "recompute"
     assert rep["saved_ms"] > rep["prefill_ms_per_token"] and rep["kl"] == 0.0 and r.kv.used_blocks == 0
     assert not r.writes_exact(1) and r.writes_exact(2)        # batched steps stay exact
     r = _Priced(exact_ms=5.0, recompute_ms=4.0, prefill_ms=3.0)
-    rep = r.choose_decoded_kv("auto", reps=3, context=8)
+    rep = r.choose_decoded_kv("auto", reps=3, context=8, kernels="off")
     assert r.decoded_kv == "exact" and r.recompute_step is None and r.writes_exact(1)
     assert "not more than recomputing it costs" in rep["reason"]
 
@@ -242,18 +261,47 @@ def test_decoded_kv_recomputes_where_the_step_saves_more_than_the_recompute_cost
 def test_decoded_kv_refuses_a_step_whose_logits_are_another_function() -> None:
     r = _Priced(exact_ms=12.0, recompute_ms=4.0, prefill_ms=0.1,
                 logits={"exact": [0.0, 0.0, 9.0], "recompute": [9.0, 0.0, 0.0]})
-    rep = r.choose_decoded_kv("auto", reps=3, context=32)
+    rep = r.choose_decoded_kv("auto", reps=3, context=32, kernels="off")
     assert r.decoded_kv == "exact" and rep["kl"] > TorchRunner.RECOMPUTE_KL_MAX and "(KL)" in rep["reason"]
 
 
 def test_decoded_kv_settings_and_what_cannot_recompute() -> None:
     r = _runner(_model("plain", torch.float32))
     assert r.choose_decoded_kv("exact")["reason"] == "MODELD_DECODED_KV=exact" and r.writes_exact(1)
-    rep = r.choose_decoded_kv("recompute")               # untimed
+    rep = r.choose_decoded_kv("recompute", kernels="off")               # untimed
     assert r.decoded_kv == "recompute" and "median_ms" not in rep and not r.writes_exact(1)
+    assert rep["attention"] == {"served": "flash", "reason": "MODELD_CPU_KERNELS=off"}
     blocks = r.kv.allocate(2)
     r.prefill([1, 2, 3], 0, blocks)
     assert r.decode([4], [3], [blocks]).shape == (1, 96)   # served by the recomputing step
     r = _runner(_model("plain", torch.float32), kv_fmt="int8")
     rep = r.choose_decoded_kv("recompute")
     assert r.decoded_kv == "exact" and "quantized (int8)" in rep["reason"]
+
+
+def test_the_recomputing_step_takes_the_cpu_kernel_where_it_was_measured_faster() -> None:
+    """The test's own prices: the kernel's step at 2 ms against the flash call's 4 ms is served (and saves the
+    more against the exact step); at 6 ms it is not. Forced recompute times the two alone; "on" takes it untimed."""
+    _kernel()
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=2.0, prefill_ms=0.1)
+    rep = r.choose_decoded_kv("auto", reps=3, context=32)
+    assert r.decoded_kv == "recompute" and r.recompute_step.kernel and rep["attention"]["served"] == "kernel"
+    assert set(rep["median_ms"]) == {"exact", "flash", "kernel"} and rep["attention"]["build"]["loaded"]
+    assert rep["saved_ms"] == round(rep["median_ms"]["exact"] - rep["median_ms"]["kernel"], 2)
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=6.0, prefill_ms=0.1)
+    rep = r.choose_decoded_kv("recompute", reps=3, context=32)
+    assert set(rep["median_ms"]) == {"flash", "kernel"} and not r.recompute_step.kernel
+    assert rep["attention"]["served"] == "flash" and "not less than the flash call's" in rep["attention"]["reason"]
+    rep = r.choose_decoded_kv("recompute", kernels="on")
+    assert r.recompute_step.kernel and rep["attention"]["reason"] == "MODELD_CPU_KERNELS=on" and "median_ms" not in rep
+
+
+def test_the_cpu_kernel_required_but_not_loadable_is_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_attention, "load", lambda cache_dir: {"loaded": False, "reason": "no C compiler on PATH"})
+    monkeypatch.setattr(cpu_attention, "_lib", None)
+    r = _runner(_model("plain", torch.float32))
+    with pytest.raises(errors.Fatal, match="MODELD_CPU_KERNELS=on, but no C compiler on PATH"):
+        r.choose_decoded_kv("recompute", kernels="on")
+    rep = r.choose_decoded_kv("recompute")             # auto: the flash call serves, with the reason
+    assert r.decoded_kv == "recompute" and not r.recompute_step.kernel
+    assert rep["attention"]["reason"] == "no C compiler on PATH"

@@ -6,7 +6,8 @@ Each family has ``reference.py`` (plain torch, fp32 accumulation; the CPU produc
 
 Families:
   merge/          exact merge of partial attention states (out, lse); natural-log LSE throughout
-  paged_decode/   paged (vLLM "NHD") GQA decode attention, split-KV flash-decoding on triton
+  paged_decode/   paged (vLLM "NHD") GQA decode attention, split-KV flash-decoding on triton; cpu.c / cpu.py: one
+                  row on the CPU read in place, built at start with the machine's C compiler
   quant_kv/       int8 / fp8 e4m3 / int4 KV formats and the fused quantized-KV paged decode
   sparse_prefill/ block-sparse causal prefill, vertical-slash pattern estimate, dense/sparse path choice
 

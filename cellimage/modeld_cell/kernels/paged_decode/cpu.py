@@ -1,0 +1,194 @@
+"""Paged GQA decode attention on the CPU: ``cpu.c`` built with the machine's C compiler, loaded with ctypes.
+
+Layout as reference.py (vLLM "NHD"). The kernel reads one query row's keys and values in place through its block
+table (no gather, no concatenation), in fp32 math, AVX-512 where the compiler targets it (``-march=native``), else
+portable C. It serves the recomputing decode step only (decode_step.py, MODELD_DECODED_KV=recompute), whose K/V the
+next prefill computes again: its summation order is not a prefill's, and nothing reused ever holds its rounding.
+
+Building: ``load(cache_dir)`` compiles ``cpu.c`` once per (source, compiler, flags, CPU) into
+``<cache_dir>/kernels/`` (a temporary directory when cache_dir is None) and checks the loaded library against
+``reference.paged_decode`` on seeded random pages (``self_check``) before anything calls it; a machine without a
+C compiler, a failed build or a failed check leaves the kernel off, with the reason. Like vLLM's and SGLang's CPU
+backends, whose C++ attention kernels are compiled for the CPU; here at start rather than at install, since the
+package ships no binaries.
+
+The op ``torch.ops.modeld.paged_decode_cpu`` is registered at import (the scripted decode step names it) and
+raises until ``load`` has succeeded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("cpu.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+# the self-check's bound on |kernel - reference| against the reference's own scale (fp32 math both; bf16 rounds the
+# output once): wider than either rounding, far narrower than a wrong head, mask or scale
+CHECK_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+_lock = threading.Lock()
+_lib: Any = None
+_report: dict[str, Any] | None = None
+
+_lib_def = torch.library.Library("modeld", "FRAGMENT")
+_lib_def.define("paged_decode_cpu(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int n, float scale) -> Tensor")
+
+
+def _paged_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, n: int, scale: float) -> Tensor:
+    """q [1, Hq, D] or [Hq, D] (bf16/fp32); k_cache, v_cache [NB, BS, Hkv, D] (bf16/fp32, contiguous); table int32
+    [>= ceil(n / BS)]; n tokens attended. Returns out shaped as q, in q's dtype."""
+    if _lib is None:
+        raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
+    hq, d = q.shape[-2], q.shape[-1]
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != d or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the CPU kernel takes fp32/bf16, got q {q.dtype}, cache {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or table.dtype != torch.int32:
+        raise ValueError("the CPU kernel takes contiguous caches and an int32 block table")
+    if n < 1 or table.numel() * bs < n:
+        raise ValueError(f"n={n} is not covered by a block table of {table.numel()} blocks of {bs}")
+    q = q.contiguous()
+    table = table.contiguous()
+    out = torch.empty_like(q)
+    rc = _lib.modeld_paged_decode(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  table.data_ptr(), n, bs, hq, hkv, d, scale, int(k_cache.dtype == torch.bfloat16),
+                                  int(q.dtype == torch.bfloat16))
+    if rc != 0:
+        raise RuntimeError(f"modeld_paged_decode returned {rc} (1: a head shape it does not take, 2: out of memory) "
+                           f"for Hq={hq}, Hkv={hkv}, D={d}, n={n}")
+    return out
+
+
+_lib_def.impl("paged_decode_cpu", _paged_decode_cpu, "CPU")
+
+
+def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                 sm_scale: float | None = None) -> Tensor:
+    """reference.paged_decode's contract (no LSE), one row at a time through the loaded kernel: q [B, Hq, D];
+    block_tables [B, MB] int32; seq_lens [B] int32, each >= 1. Returns out [B, Hq, D] in q.dtype."""
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    return torch.stack([torch.ops.modeld.paged_decode_cpu(q[b], k_cache, v_cache, block_tables[b],
+                                                          int(seq_lens[b]), scale) for b in range(q.shape[0])])
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "").strip()
+    return shutil.which(cc) if cc else (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU model and flags (a library built on one CPU never loads on another)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def load(cache_dir: str | None) -> dict[str, Any]:
+    """Build (or find built) and load the kernel, then check it against the reference. Returns the report:
+    ``loaded`` (bool), ``reason``, and when loaded ``isa`` (avx512 | portable), ``compiler``, ``library``,
+    ``built_s`` (0 when found built), ``check`` (max error per dtype). Thread-safe; the first success stays."""
+    global _lib, _report
+    with _lock:
+        if _lib is not None and _report is not None:
+            return _report
+        _report = _load(cache_dir)
+        return _report
+
+
+def loaded() -> bool:
+    return _lib is not None
+
+
+def _load(cache_dir: str | None) -> dict[str, Any]:
+    global _lib
+    cc = _compiler()
+    if cc is None:
+        return {"loaded": False, "reason": "no C compiler on PATH (cc, gcc or clang; or CC): the kernel is not built"}
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"loaded": False, "reason": f"{cc} --version failed: {e}"}
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, version.encode(), " ".join(FLAGS).encode(), _cpu_id().encode(),
+                                     torch.__version__.encode()])).hexdigest()[:16]
+    root = Path(cache_dir) / "kernels" if cache_dir else Path(tempfile.gettempdir()) / "modeld-kernels"
+    lib_path = root / f"paged_decode_cpu-{key}.so"
+    built_s = 0.0
+    if not lib_path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
+                               timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            return {"loaded": False, "reason": f"{Path(cc).name} failed to run: {e}"}
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            err = (r.stderr.strip().splitlines() or ["(no output)"])[0][:300]
+            return {"loaded": False, "reason": f"{Path(cc).name} could not build cpu.c: {err}"}
+        os.replace(tmp, lib_path)          # atomic: a concurrent start finds a whole library or none
+        built_s = time.perf_counter() - t0
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as e:
+        return {"loaded": False, "reason": f"the built kernel does not load: {e}"}
+    lib.modeld_paged_decode.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.modeld_paged_decode.restype = ctypes.c_int
+    lib.modeld_paged_decode_isa.restype = ctypes.c_int
+    _lib = lib
+    try:
+        check = self_check()
+    except Exception as e:        # a kernel that disagrees with the reference never serves
+        _lib = None
+        return {"loaded": False, "reason": f"the built kernel failed its check against the reference: {e}"}
+    return {"loaded": True, "reason": "built and checked against reference.paged_decode", "isa":
+            "avx512" if lib.modeld_paged_decode_isa() else "portable", "compiler": version.splitlines()[0][:120],
+            "library": str(lib_path), "built_s": round(built_s, 2), "check": check}
+
+
+def self_check() -> dict[str, float]:
+    """The loaded kernel against reference.paged_decode on seeded random pages: GQA 3:1 and 1:1, D 64 and 48 (the
+    AVX-512 and portable loops), a shuffled block table, a partial last block, fp32 and bf16 caches. Raises
+    AssertionError naming the case past CHECK_TOL; returns the largest relative error per dtype."""
+    from . import reference as ref
+
+    g = torch.Generator().manual_seed(0)
+    worst: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for hq, hkv, d, n in ((9, 3, 64, 77), (4, 4, 48, 33)):
+            bs = 16
+            nb = (n + bs - 1) // bs + 2
+            kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+            vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+            q = torch.randn(1, hq, d, generator=g).to(dtype)
+            table = torch.randperm(nb, generator=g)[: (n + bs - 1) // bs].to(torch.int32)[None]
+            lens = torch.tensor([n], dtype=torch.int32)
+            want = ref.paged_decode(q.float(), kc.float(), vc.float(), table, lens, sm_scale=0.2)
+            got = paged_decode(q, kc, vc, table, lens, sm_scale=0.2).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            if not err <= CHECK_TOL[dtype]:
+                raise AssertionError(f"{dtype} Hq={hq} Hkv={hkv} D={d} n={n}: relative error {err:.3g} over "
+                                     f"{CHECK_TOL[dtype]}")
+            name = str(dtype).replace("torch.", "")
+            worst[name] = round(max(worst.get(name, 0.0), err), 8)
+    return worst

@@ -1,0 +1,111 @@
+"""The CPU paged-decode kernel (kernels/paged_decode/cpu.c, built with this machine's C compiler) against the torch
+reference: GQA ratios, head dims on and off the AVX-512 loop, page boundaries, shuffled tables, fp32 / bf16 caches
+and queries; its build cache; bad input; and a build or check that fails leaving it off with the reason."""
+
+import pytest
+import torch
+
+from modeld_cell.kernels.paged_decode import cpu
+from modeld_cell.kernels.paged_decode import reference as ref
+
+from .utils import DTYPE_NAME, TOL, assert_close, make_paged
+
+pytestmark = pytest.mark.kernels
+
+# (seq lens, Hq, Hkv, D, BLOCK_SIZE); SmolLM2 is Hq 9 / Hkv 3 / D 64.
+CASES = [
+    ([1], 4, 4, 16, 16),
+    ([7, 63, 111], 9, 3, 64, 16),
+    ([16, 17, 32, 33], 6, 2, 32, 16),  # on and just past page boundaries
+    ([65], 8, 1, 64, 32),  # G = 8, the AVX-512 loop's widest group
+    ([40], 12, 1, 16, 16),  # G = 12: past it, the portable loop
+    ([13, 40], 9, 3, 64, 1),  # one token per page
+    ([50], 4, 2, 48, 16),  # D 48: three 16-lane vectors
+    ([50], 4, 2, 40, 16),  # D 40: the portable loop
+    ([1023, 1025], 9, 3, 64, 16),
+]
+
+
+def case_id(c):
+    lens, Hq, Hkv, D, BS = c
+    return f"B{len(lens)}-T{max(lens)}-Hq{Hq}-Hkv{Hkv}-D{D}-BS{BS}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built(tmp_path_factory):
+    """The kernel built into a fresh cache and loaded; skipped only where this machine has no C compiler (where
+    the worker serves the flash call instead, saying so)."""
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler on PATH: the worker leaves the CPU kernel off")
+    rep = cpu.load(str(tmp_path_factory.mktemp("kcache")))
+    assert rep["loaded"], rep["reason"]
+    return rep
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=lambda d: DTYPE_NAME[d])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=lambda d: "q" + DTYPE_NAME[d])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernel_vs_reference(case, q_dtype, cache_dtype):
+    lens, Hq, Hkv, D, BS = case
+    kc, vc, bt, sl = make_paged(lens, Hkv, D, BS, dtype=cache_dtype)
+    q = (torch.randn(len(lens), Hq, D) * 2).to(q_dtype)      # * 2: peaked softmax rows, not near-uniform ones
+    scale = 0.3
+    want = ref.paged_decode(q.float(), kc.float(), vc.float(), bt, sl, sm_scale=scale)
+    got = cpu.paged_decode(q, kc, vc, bt, sl, sm_scale=scale)
+    assert got.shape == q.shape and got.dtype == q_dtype
+    atol, rtol = TOL[torch.bfloat16 if torch.bfloat16 in (q_dtype, cache_dtype) else torch.float32]
+    assert_close(case_id(case), want, got.float(), atol, rtol)
+
+
+def test_the_op_reads_the_cache_in_place_and_leaves_it_untouched():
+    """torch.ops.modeld.paged_decode_cpu, as the scripted step calls it: one row, its 1-D table, n keys; the cache is
+    read where it lies (no copy is handed in) and not written."""
+    kc, vc, bt, sl = make_paged([70], 3, 64, 16, dtype=torch.bfloat16)
+    before = (kc.clone(), vc.clone())
+    q = torch.randn(1, 9, 64).to(torch.bfloat16)
+    out = torch.ops.modeld.paged_decode_cpu(q, kc, vc, bt[0], 70, 0.125)
+    want = ref.paged_decode(q.float(), kc.float(), vc.float(), bt, sl, sm_scale=0.125)
+    assert_close("op", want, out.float(), *TOL[torch.bfloat16])
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_bad_input_is_refused_with_the_shapes():
+    kc, vc, bt, _ = make_paged([20], 2, 16, 16)
+    q = torch.randn(1, 4, 16)
+    with pytest.raises(ValueError, match="is not covered by a block table"):
+        torch.ops.modeld.paged_decode_cpu(q, kc, vc, bt[0, :1], 20, 0.25)
+    with pytest.raises(ValueError, match="do not match q"):
+        torch.ops.modeld.paged_decode_cpu(torch.randn(1, 4, 32), kc, vc, bt[0], 20, 0.25)
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        torch.ops.modeld.paged_decode_cpu(q, kc.half(), vc.half(), bt[0], 20, 0.25)
+    with pytest.raises(ValueError, match="int32 block table"):
+        torch.ops.modeld.paged_decode_cpu(q, kc, vc, bt[0].long(), 20, 0.25)
+    with pytest.raises(RuntimeError, match="a head shape it does not take"):
+        torch.ops.modeld.paged_decode_cpu(torch.randn(1, 3, 16), kc, vc, bt[0], 20, 0.25)     # Hq 3, Hkv 2
+
+
+def test_the_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch):
+    """A second start finds the library built (no compile); it lives under the cache given."""
+    monkeypatch.setattr(cpu, "_lib", cpu._lib)          # _load replaces the loaded library: restore it after
+    first = cpu._load(str(tmp_path))
+    again = cpu._load(str(tmp_path))
+    assert first["loaded"] and again["loaded"] and first["library"] == again["library"]
+    assert again["built_s"] == 0.0 and first["library"].startswith(str(tmp_path / "kernels"))
+    assert len(list((tmp_path / "kernels").glob("paged_decode_cpu-*.so"))) == 1
+
+
+def test_a_failed_build_or_check_leaves_the_kernel_off_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu, "_lib", cpu._lib)
+    monkeypatch.setenv("CC", "false")                      # a compiler that fails
+    rep = cpu._load(str(tmp_path))
+    assert not rep["loaded"] and "could not build cpu.c" in rep["reason"]
+    monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    assert cpu._load(str(tmp_path))["reason"].startswith("no C compiler on PATH")
+    monkeypatch.delenv("CC")
+
+    def wrong() -> dict:
+        raise AssertionError("float32 Hq=9 Hkv=3 D=64 n=77: relative error 0.5 over 0.0001")
+
+    monkeypatch.setattr(cpu, "self_check", wrong)
+    rep = cpu._load(str(tmp_path))
+    assert not rep["loaded"] and "failed its check against the reference" in rep["reason"] and not cpu.loaded()
