@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import statistics
 import time
@@ -408,6 +407,11 @@ class TorchRunner:
     # a step that computes another function, not the same one rounded otherwise, is never served
     RECOMPUTE_KL_MAX = 0.05
 
+    # the cached tokens at which choose_decoded_kv times the recomputing step's two attentions against each other: at
+    # 512 they took 39.77 and 40.44 ms a step on the EPYC (within its noise), one layer's attention 97 against 284 us
+    # at 1k keys and 355 against 1,150 at 4k (docs/kernels.md): the choice is made where attention weighs
+    ATTENTION_CONTEXT = 4096
+
     @torch.no_grad()
     def choose_decoded_kv(self, setting: str = "auto", reps: int = 7, context: int = 512, kernels: str = "auto",
                           cache_dir: str | None = None) -> dict[str, Any]:
@@ -428,9 +432,9 @@ class TorchRunner:
 
         The recomputing step's attention is torch's flash call, or the CPU paged-decode kernel
         (kernels/paged_decode/cpu.c, built at start into ``cache_dir``) where ``kernels`` (MODELD_CPU_KERNELS)
-        allows: "auto" builds it where a C compiler is present and serves it when it decodes faster than the
-        flash call in the same alternating measurement (the auto measurement above, or one of the two alone under
-        "recompute"); "on" serves it untimed and is fatal where it cannot load; "off" never builds it."""
+        allows: "auto" builds it where a C compiler is present and serves it when its step is faster than the flash
+        call's at ATTENTION_CONTEXT cached tokens (``_choose_attention``); "on" serves it untimed and is fatal where
+        it cannot load; "off" never builds it."""
         from . import decode_step
         from .kernels.paged_decode import cpu as cpu_attention
         self.decoded_kv, self.recompute_step = "exact", None
@@ -442,35 +446,30 @@ class TorchRunner:
             why = f"the {self.name} runner's decode is not model.py's torch path"
         else:
             why = decode_step.eligible(self.model, self.kv)
-        steps: dict[str, Any] = {}
+        step = None
         if why is None:
             try:
-                steps["flash"] = decode_step.ScriptedDecode(self.model, self.kv, exact=False)
+                step = decode_step.ScriptedDecode(self.model, self.kv, exact=False)
             except Exception as e:      # TorchScript absent or unable to compile this torch's ops
                 why = f"torch.jit.script failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         if why is None:
-            rep["attention"] = self._recompute_kernel(kernels, cache_dir, cpu_attention, decode_step, steps)
-            if kernels == "on":
-                steps.pop("flash")          # served untimed: only its own step is measured
+            rep["attention"], kstep = self._recompute_kernel(kernels, cache_dir, cpu_attention, decode_step, step)
+            if kstep is not None:
+                step = self._choose_attention(rep["attention"], step, kstep, kernels, reps)
         if why is None and setting == "auto":
             context = min(context, self.model.args.max_seq_len - 1)
             if self.kv.free_blocks < self.kv.blocks_for(context + 1):
                 why = "not measured: no free KV blocks"
             else:
-                rep.update(self._measure_recompute(steps, reps, context))
+                rep.update(self._measure_recompute(step, reps, context))
                 if rep["kl"] > self.RECOMPUTE_KL_MAX:
                     why = (f"the recomputing step's logits are {rep['kl']} (KL) from the exact step's, over "
                            f"{self.RECOMPUTE_KL_MAX}: not taken")
                 elif rep["saved_ms"] <= rep["prefill_ms_per_token"]:
                     why = (f"the recomputing step saves {rep['saved_ms']} ms a token, not more than recomputing it "
                            f"costs ({rep['prefill_ms_per_token']} ms a prefilled token)")
-        elif why is None and len(steps) > 1 and kernels == "auto":
-            context = min(context, self.model.args.max_seq_len - 1)
-            if self.kv.free_blocks >= self.kv.blocks_for(context + 1):
-                rep.update(self._measure_recompute(steps, reps, context, exact=False))
         if why is None:
-            served = self._serve_attention(rep, steps, kernels)
-            self.decoded_kv, self.recompute_step = "recompute", steps[served]
+            self.decoded_kv, self.recompute_step = "recompute", step
             rep.update(decoded_kv="recompute", reason=(
                 "MODELD_DECODED_KV=recompute" if setting == "recompute" else
                 f"the recomputing step saves {rep['saved_ms']} ms a token, more than recomputing it costs "
@@ -482,73 +481,77 @@ class TorchRunner:
 
     @staticmethod
     def _recompute_kernel(kernels: str, cache_dir: str | None, cpu_attention: Any, decode_step: Any,
-                          steps: dict[str, Any]) -> dict[str, Any]:
-        """choose_decoded_kv's kernel half: loads the CPU paged-decode kernel unless ``kernels`` is "off" and adds
-        the recomputing step that calls it to ``steps`` ("kernel"). Returns the report's ``attention`` entry."""
+                          flash: Any) -> tuple[dict[str, Any], Any]:
+        """choose_decoded_kv's kernel half: loads the CPU paged-decode kernel unless ``kernels`` is "off" and
+        scripts the recomputing step that calls it. Returns the report's ``attention`` entry and that step (None
+        where there is none, and the entry says why)."""
         if kernels == "off":
-            return {"served": "flash", "reason": "MODELD_CPU_KERNELS=off"}
-        flash = steps["flash"]
+            return {"served": "flash", "reason": "MODELD_CPU_KERNELS=off"}, None
         build = cpu_attention.load(cache_dir)
         why = build["reason"] if not build["loaded"] else decode_step.kernel_eligible(flash.model, flash.kv)
+        att: dict[str, Any] = {"served": "flash", "build": build}
         if why is None:
             try:
-                steps["kernel"] = decode_step.ScriptedDecode(flash.model, flash.kv, exact=False, kernel=True)
+                return att, decode_step.ScriptedDecode(flash.model, flash.kv, exact=False, kernel=True)
             except Exception as e:
                 why = f"torch.jit.script failed with the kernel: {type(e).__name__}: {str(e)[:200]}"
-        if why is not None and kernels == "on":
+        if kernels == "on":
             raise errors.Fatal(f"MODELD_CPU_KERNELS=on, but {why}")
-        return {"served": "flash", "build": build, **({"reason": why} if why else {})}
+        att["reason"] = why
+        return att, None
 
-    @staticmethod
-    def _serve_attention(rep: dict[str, Any], steps: dict[str, Any], kernels: str) -> str:
-        """Which recomputing step serves: the kernel's when it was measured faster than the flash call's, or
-        untimed under MODELD_CPU_KERNELS=on; records it (and why) in ``rep["attention"]``."""
-        att = rep["attention"]
-        if "kernel" not in steps:
-            return "flash"
-        ms = rep.get("median_ms", {})
+    def _choose_attention(self, att: dict[str, Any], flash: Any, kernel: Any, kernels: str, reps: int) -> Any:
+        """The recomputing step to serve, the flash call's or the kernel's: untimed under MODELD_CPU_KERNELS=on,
+        else the faster at ATTENTION_CONTEXT cached tokens (the tier's last position where it is shorter), the same
+        token decoded ``reps`` times each way alternately over scratch blocks of seeded random K/V. Records the
+        figures and why in ``att``."""
         if kernels == "on":
             att.update(served="kernel", reason="MODELD_CPU_KERNELS=on")
-        elif "kernel" in ms and ms["kernel"] < ms["flash"]:
-            att.update(served="kernel", reason=f"the kernel's step took {ms['kernel']} ms, the flash call's "
-                                               f"{ms['flash']} ms")
-        elif "kernel" in ms:
-            att.update(reason=f"the kernel's step took {ms['kernel']} ms, not less than the flash call's "
-                              f"{ms['flash']} ms")
-        else:
-            att.update(reason="not measured: no free KV blocks")
-        return str(att["served"])
+            return kernel
+        n = min(self.ATTENTION_CONTEXT, self.model.args.max_seq_len - 1)
+        if self.kv.free_blocks < self.kv.blocks_for(n + 1):
+            att["reason"] = f"not measured: no free KV blocks for {n} tokens"
+            return flash
 
-    def _measure_recompute(self, steps: dict[str, Any], reps: int, context: int,
-                           exact: bool = True) -> dict[str, Any]:
-        """choose_decoded_kv's measurement: the exact step served now (scripted or eager; unless ``exact`` is False)
-        against each recomputing step of ``steps`` (by its attention: "flash", "kernel"), taking turns. The figures
-        (KL, saved ms) are the fastest recomputing step's."""
         @contextlib.contextmanager
-        def serving(kind: str, step: Any) -> Iterator[None]:
+        def serving(step: Any) -> Iterator[None]:
+            self.decoded_kv, self.recompute_step = "recompute", step
+            try:
+                yield
+            finally:
+                self.decoded_kv, self.recompute_step = "exact", None
+
+        ms, _ = self._decode_alternately({"flash": lambda: serving(flash), "kernel": lambda: serving(kernel)}, reps,
+                                         n, seed=19, with_kv=False, prefill=False)
+        att.update(median_ms=ms, context=n, reps=reps)
+        if ms["kernel"] < ms["flash"]:
+            att.update(served="kernel", reason=f"after {n} tokens the kernel's step took {ms['kernel']} ms, the flash "
+                                               f"call's {ms['flash']} ms")
+            return kernel
+        att["reason"] = (f"after {n} tokens the kernel's step took {ms['kernel']} ms, not less than the flash call's "
+                         f"{ms['flash']} ms")
+        return flash
+
+    def _measure_recompute(self, step: Any, reps: int, context: int) -> dict[str, Any]:
+        """choose_decoded_kv's measurement: the exact step served now (scripted or eager) against ``step``."""
+        @contextlib.contextmanager
+        def serving(kind: str) -> Iterator[None]:
             self.decoded_kv, self.recompute_step = kind, step
             try:
                 yield
             finally:
                 self.decoded_kv, self.recompute_step = "exact", None
 
-        variants: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
-        if exact:
-            variants["exact"] = lambda: serving("exact", None)
-        for name, step in steps.items():
-            variants[name] = functools.partial(serving, "recompute", step)
         seen: dict[str, Any] = {}
-        ms, _ = self._decode_alternately(variants, reps, context, seed=17, with_kv=False, seen=seen)
-        out: dict[str, Any] = {"median_ms": ms, "context": context, "reps": reps,
-                               "threads": self.decode_threads or torch.get_num_threads()}
-        if exact:
-            best = min(steps, key=lambda k: ms[k])
-            ref = torch.log_softmax(seen["logits"]["exact"].float().reshape(-1), -1)
-            got = torch.log_softmax(seen["logits"][best].float().reshape(-1), -1)
-            kl = float((ref.exp() * (ref - got)).sum())
-            out.update(kl=round(max(kl, 0.0), 6), saved_ms=round(ms["exact"] - ms[best], 2),
-                       prefill_ms_per_token=round(seen["prefill_s"] * 1e3 / context, 3))
-        return out
+        ms, _ = self._decode_alternately({"exact": lambda: serving("exact"), "recompute": lambda: serving("recompute")},
+                                         reps, context, seed=17, with_kv=False, seen=seen)
+        ref = torch.log_softmax(seen["logits"]["exact"].float().reshape(-1), -1)
+        got = torch.log_softmax(seen["logits"]["recompute"].float().reshape(-1), -1)
+        kl = float((ref.exp() * (ref - got)).sum())
+        return {"median_ms": ms, "context": context, "reps": reps, "kl": round(max(kl, 0.0), 6),
+                "saved_ms": round(ms["exact"] - ms["recompute"], 2),
+                "prefill_ms_per_token": round(seen["prefill_s"] * 1e3 / context, 3),
+                "threads": self.decode_threads or torch.get_num_threads()}
 
     def _measure_decode_step(self, step: Any, reps: int, context: int) -> dict[str, Any]:
         @contextlib.contextmanager
