@@ -102,6 +102,10 @@ def test_a_failed_build_or_check_leaves_the_kernel_off_with_the_reason(tmp_path,
     monkeypatch.setenv("CC", "no-such-compiler-anywhere")
     assert cpu._load(str(tmp_path))["reason"].startswith("no C compiler on PATH")
     monkeypatch.delenv("CC")
+    blocked = tmp_path / "file"                            # a cache root that cannot be a directory
+    blocked.write_text("")
+    rep = cpu._load(str(blocked))
+    assert not rep["loaded"] and rep["reason"].startswith(f"building into {blocked / 'kernels'} failed")
 
     def wrong() -> dict:
         raise AssertionError("float32 Hq=9 Hkv=3 D=64 n=77: relative error 0.5 over 0.0001")

@@ -133,19 +133,22 @@ def _load(cache_dir: str | None) -> dict[str, Any]:
     lib_path = root / f"paged_decode_cpu-{key}.so"
     built_s = 0.0
     if not lib_path.exists():
-        root.mkdir(parents=True, exist_ok=True)
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
         t0 = time.perf_counter()
         try:
+            root.mkdir(parents=True, exist_ok=True)
             r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
                                timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            return {"loaded": False, "reason": f"{Path(cc).name} failed to run: {e}"}
+        except (OSError, subprocess.SubprocessError) as e:      # an unwritable cache, a compiler that hangs
+            return {"loaded": False, "reason": f"building into {root} failed: {e}"}
         if r.returncode != 0:
             tmp.unlink(missing_ok=True)
             err = (r.stderr.strip().splitlines() or ["(no output)"])[0][:300]
             return {"loaded": False, "reason": f"{Path(cc).name} could not build cpu.c: {err}"}
-        os.replace(tmp, lib_path)          # atomic: a concurrent start finds a whole library or none
+        try:
+            os.replace(tmp, lib_path)      # atomic: a concurrent start finds a whole library or none
+        except OSError as e:
+            return {"loaded": False, "reason": f"building into {root} failed: {e}"}
         built_s = time.perf_counter() - t0
     try:
         lib = ctypes.CDLL(str(lib_path))
@@ -167,15 +170,16 @@ def _load(cache_dir: str | None) -> dict[str, Any]:
 
 
 def self_check() -> dict[str, float]:
-    """The loaded kernel against reference.paged_decode on seeded random pages: GQA 3:1 and 1:1, D 64 and 48 (the
-    AVX-512 and portable loops), a shuffled block table, a partial last block, fp32 and bf16 caches. Raises
+    """The loaded kernel against reference.paged_decode on seeded random pages: GQA 3:1 and 1:1, D 64 and 40 (the
+    AVX-512 loop where the build has it, and the portable one), a shuffled block table, a partial last block, fp32
+    and bf16 caches. Raises
     AssertionError naming the case past CHECK_TOL; returns the largest relative error per dtype."""
     from . import reference as ref
 
     g = torch.Generator().manual_seed(0)
     worst: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for hq, hkv, d, n in ((9, 3, 64, 77), (4, 4, 48, 33)):
+        for hq, hkv, d, n in ((9, 3, 64, 77), (4, 4, 40, 33)):
             bs = 16
             nb = (n + bs - 1) // bs + 2
             kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
