@@ -108,7 +108,20 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, n)                          # the tensor holds the mapping alive (torch.frombuffer keeps it)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    t._modeld_pages = buf                           # type: ignore[attr-defined]  # release_pages' handle
+    return t
+
+
+def release_pages(t: Tensor) -> int:
+    """Give a ``zeroed`` CPU tensor's pages back to the system: it reads as zeros again and costs no resident memory
+    until written (the mapping is shared anonymous memory, so MADV_REMOVE, not MADV_DONTNEED, frees it). Returns
+    the bytes released; 0 for any other tensor, or where this platform has no MADV_REMOVE."""
+    buf = getattr(t, "_modeld_pages", None)
+    if buf is None or not hasattr(mmap, "MADV_REMOVE"):
+        return 0
+    buf.madvise(mmap.MADV_REMOVE)
+    return len(buf)
 
 
 class PagedKVCache:
@@ -184,6 +197,15 @@ class PagedKVCache:
     def device(self) -> torch.device:
         """Where the pool's tensors live (for a rank's bookkeeping pool: that rank's own blocks)."""
         return self.k.device
+
+    def release_pages(self) -> int:
+        """While no block holds K/V anyone can read (none allocated, none cached), give the pool's pages back to the
+        system: the start-up measurements (runner.choose_*) prefill and decode into scratch blocks, up to 8k tokens'
+        worth, and free them, which left up to 180 MiB of a CPU pool resident after load. The pool then reads as
+        zeros, as a fresh one does. Returns the bytes released (0 while blocks are in use, or on a device)."""
+        if len(self._free) != self.num_blocks or len(self.index) > 0:
+            return 0
+        return sum(release_pages(t) for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
     # ---- allocation (host side, event-loop thread only)
 

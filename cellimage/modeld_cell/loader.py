@@ -437,6 +437,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
             eng.quality = verdicts
         else:
             eng.quality = [v.to_dict() for v in profile_gate.require(eng, quality_cache)] if gate else []
+        eng.kv.release_pages()           # what the start-up measurements wrote into scratch blocks
     except BaseException:
         eng.shutdown()
         raise
@@ -510,4 +511,5 @@ def sibling_engine(base: Engine, kv: str | None, attention: str | None, kv_mib: 
             e.settings.decoded_kv == "auto" and getattr(base.runner, "decoded_kv", "exact") == "recompute"):
         # (auto: the base measured it worth it; the kernel, loaded once a process, is found built)
         e.on_torch_thread(functools.partial(e.runner.choose_decoded_kv, "recompute", kernels=e.settings.cpu_kernels))
+    e.kv.release_pages()
     return e

@@ -135,3 +135,38 @@ def test_formats():
     assert ei.value.details == {"kv": "fp7"}
     with pytest.raises(errors.BadRequest):
         PagedKVCache(L, HKV, D, kv_format("fp32"), 100)   # less than one block
+
+
+def _rss_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_release_pages_returns_a_written_pool_to_zeros_only_while_no_block_is_held(fmt):
+    """The start-up measurements write scratch blocks and free them; release_pages gives those pages back (the pool
+    reads as zeros again, and its resident memory drops by what was written) and refuses while any block is
+    allocated or cached."""
+    kv = PagedKVCache(L, HKV, 64, kv_format(fmt), 64 << 20)
+    held = kv.allocate(kv.num_blocks)
+    for t in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+        if t is not None:
+            t.view(torch.uint8).fill_(1)                # every page written
+    assert kv.release_pages() == 0                      # blocks held: nothing released
+    assert kv.index.register(held[0], b"h" * 32, b"", list(range(kv.block_size)))
+    kv.free(held[::-1])
+    assert kv.release_pages() == 0                      # a cached block: a later request may reuse its K/V
+    assert kv.clear_cache() == 1
+    before = _rss_mib()
+    released = kv.release_pages()
+    pools = [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
+    assert released == sum(t.numel() * t.element_size() for t in pools)
+    assert before - _rss_mib() >= (released >> 20) // 2
+    assert all(int(t.view(torch.uint8).max()) == 0 for t in pools)
+
+
+def test_release_pages_leaves_a_device_pool_alone():
+    kv = make(4)
+    kv.k = kv.k.clone()                                  # not an mmap-backed pool: nothing to release
+    kv.v = kv.v.clone()
+    assert kv.release_pages() == 0
