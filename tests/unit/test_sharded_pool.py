@@ -13,7 +13,7 @@ import torch
 from modeld_cell import errors
 from modeld_cell.kernels.merge import sharded
 from modeld_cell.kv_cache import PagedKVCache, kv_format
-from modeld_cell.parallel.pool import ShardedPool
+from modeld_cell.parallel.pool import MirroredPool, ShardedPool
 from modeld_cell.parallel.sharded_kv import assemble, split
 
 pytestmark = pytest.mark.unit
@@ -78,3 +78,11 @@ def test_a_payload_splits_into_the_ranks_parts_and_back(world, n):
         assert part["k"].shape[1] == sharded.local_tokens(n, BS, r, world)
     back = dict(assemble([list(p.items()) for p in parts], n, BS))
     assert torch.equal(back["k"], payload["k"]) and torch.equal(back["v"], payload["v"])
+
+
+def test_rank_zeros_pools_hold_no_pages_to_release():
+    """The loader hands back the start-up measurements' pages (PagedKVCache.release_pages); rank 0's bookkeeping
+    pools have no tensors of their own, so there is nothing to release, and asking is no error."""
+    local = PagedKVCache(L, HKV, D, kv_format("fp32"), 4 * BS * 2 * L * HKV * D * 4)
+    assert pool(5, 2).release_pages() == 0
+    assert MirroredPool(local, 2, SimpleNamespace(), L, HKV).release_pages() == 0

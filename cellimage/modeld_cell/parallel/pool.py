@@ -58,6 +58,10 @@ class RankPool(PagedKVCache):
     def device(self) -> torch.device:
         return self.local.device
 
+    def release_pages(self) -> int:
+        """Nothing here: the tensors are the ranks' own pools (and a multi-rank start runs no scratch measurement)."""
+        return 0
+
     # ---- K/V, on every rank (the driving runner runs each on the torch thread)
 
     def copy_block(self, src: int, dst: int, n: int) -> None:
