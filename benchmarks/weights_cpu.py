@@ -127,6 +127,14 @@ def worker(a: argparse.Namespace) -> dict:
     return out
 
 
+def listed(ap: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]) -> list[str | None]:
+    """A comma-separated setting's values ([None]: not given, the worker's default), each one of ``allowed``."""
+    got: list[str | None] = list(value.split(",")) if value else [None]
+    if any(v not in allowed for v in got if v is not None):
+        ap.error(f"{flag} takes {', '.join(allowed[:-1])} and/or {allowed[-1]}, got {value!r}")
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma-separated, of {', '.join(PATHS)}")
@@ -159,18 +167,12 @@ def main() -> None:
         return
     runs = []
     tiles: list[int | None] = [int(t) for t in a.row_tiles.split(",")] if a.row_tiles else [None]
-    heads: list[str | None] = a.heads.split(",") if a.heads else [None]
-    if any(h not in ("int8", "dense") for h in heads if h is not None):
-        ap.error(f"--heads takes int8 and/or dense, got {a.heads!r}")
+    heads = listed(ap, "--heads", a.heads, ("int8", "dense"))
     dthreads: list[str | None] = a.decode_threads.split(",") if a.decode_threads else [None]
     if any(d != "auto" and not d.isdigit() for d in dthreads if d is not None):
         ap.error(f"--decode-threads takes auto and/or thread counts, got {a.decode_threads!r}")
-    dkvs: list[str | None] = a.decoded_kv.split(",") if a.decoded_kv else [None]
-    if any(d not in ("auto", "exact", "recompute") for d in dkvs if d is not None):
-        ap.error(f"--decoded-kv takes auto, exact and/or recompute, got {a.decoded_kv!r}")
-    cks: list[str | None] = a.cpu_kernels.split(",") if a.cpu_kernels else [None]
-    if any(c not in ("auto", "on", "off") for c in cks if c is not None):
-        ap.error(f"--cpu-kernels takes auto, on and/or off, got {a.cpu_kernels!r}")
+    dkvs = listed(ap, "--decoded-kv", a.decoded_kv, ("auto", "exact", "recompute"))
+    cks = listed(ap, "--cpu-kernels", a.cpu_kernels, ("auto", "on", "off"))
     for p, tile, head, dt, dkv, ck in [(p, t, h, d, k, c) for p in a.paths.split(",") for t in tiles for h in heads
                                        for d in dthreads for k in dkvs for c in cks]:
         if p not in PATHS:

@@ -436,7 +436,6 @@ class TorchRunner:
         call's at ATTENTION_CONTEXT cached tokens (``_choose_attention``); "on" serves it untimed and is fatal where
         it cannot load; "off" never builds it."""
         from . import decode_step
-        from .kernels.paged_decode import cpu as cpu_attention
         self.decoded_kv, self.recompute_step = "exact", None
         rep: dict[str, Any] = {"decoded_kv": "exact", "setting": setting}
         why = None
@@ -453,7 +452,7 @@ class TorchRunner:
             except Exception as e:      # TorchScript absent or unable to compile this torch's ops
                 why = f"torch.jit.script failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         if why is None:
-            rep["attention"], kstep = self._recompute_kernel(kernels, cache_dir, cpu_attention, decode_step, step)
+            rep["attention"], kstep = self._recompute_kernel(kernels, cache_dir, step)
             if kstep is not None:
                 step = self._choose_attention(rep["attention"], step, kstep, kernels, reps)
         if why is None and setting == "auto":
@@ -480,11 +479,12 @@ class TorchRunner:
         return rep
 
     @staticmethod
-    def _recompute_kernel(kernels: str, cache_dir: str | None, cpu_attention: Any, decode_step: Any,
-                          flash: Any) -> tuple[dict[str, Any], Any]:
+    def _recompute_kernel(kernels: str, cache_dir: str | None, flash: Any) -> tuple[dict[str, Any], Any]:
         """choose_decoded_kv's kernel half: loads the CPU paged-decode kernel unless ``kernels`` is "off" and
         scripts the recomputing step that calls it. Returns the report's ``attention`` entry and that step (None
         where there is none, and the entry says why)."""
+        from . import decode_step
+        from .kernels.paged_decode import cpu as cpu_attention
         if kernels == "off":
             return {"served": "flash", "reason": "MODELD_CPU_KERNELS=off"}, None
         build = cpu_attention.load(cache_dir)
@@ -512,17 +512,9 @@ class TorchRunner:
         if self.kv.free_blocks < self.kv.blocks_for(n + 1):
             att["reason"] = f"not measured: no free KV blocks for {n} tokens"
             return flash
-
-        @contextlib.contextmanager
-        def serving(step: Any) -> Iterator[None]:
-            self.decoded_kv, self.recompute_step = "recompute", step
-            try:
-                yield
-            finally:
-                self.decoded_kv, self.recompute_step = "exact", None
-
-        ms, _ = self._decode_alternately({"flash": lambda: serving(flash), "kernel": lambda: serving(kernel)}, reps,
-                                         n, seed=19, with_kv=False, prefill=False)
+        ms, _ = self._decode_alternately({"flash": lambda: self._serving("recompute", flash),
+                                          "kernel": lambda: self._serving("recompute", kernel)},
+                                         reps, n, seed=19, with_kv=False, prefill=False)
         att.update(median_ms=ms, context=n, reps=reps)
         if ms["kernel"] < ms["flash"]:
             att.update(served="kernel", reason=f"after {n} tokens the kernel's step took {ms['kernel']} ms, the flash "
@@ -532,18 +524,21 @@ class TorchRunner:
                          f"{ms['flash']} ms")
         return flash
 
+    @contextlib.contextmanager
+    def _serving(self, kind: str, step: Any) -> Iterator[None]:
+        """A start-up measurement's variant: one-session steps decode as ``kind`` ("exact", or "recompute" through
+        ``step``) inside, exact after."""
+        self.decoded_kv, self.recompute_step = kind, step
+        try:
+            yield
+        finally:
+            self.decoded_kv, self.recompute_step = "exact", None
+
     def _measure_recompute(self, step: Any, reps: int, context: int) -> dict[str, Any]:
         """choose_decoded_kv's measurement: the exact step served now (scripted or eager) against ``step``."""
-        @contextlib.contextmanager
-        def serving(kind: str) -> Iterator[None]:
-            self.decoded_kv, self.recompute_step = kind, step
-            try:
-                yield
-            finally:
-                self.decoded_kv, self.recompute_step = "exact", None
-
         seen: dict[str, Any] = {}
-        ms, _ = self._decode_alternately({"exact": lambda: serving("exact"), "recompute": lambda: serving("recompute")},
+        ms, _ = self._decode_alternately({"exact": lambda: self._serving("exact", step),
+                                          "recompute": lambda: self._serving("recompute", step)},
                                          reps, context, seed=17, with_kv=False, seen=seen)
         ref = torch.log_softmax(seen["logits"]["exact"].float().reshape(-1), -1)
         got = torch.log_softmax(seen["logits"]["recompute"].float().reshape(-1), -1)
