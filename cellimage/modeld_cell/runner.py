@@ -353,6 +353,14 @@ class TorchRunner:
             self.kv.free(blocks[::-1])
         return {k: round(statistics.median(v[1:] or v), 2) for k, v in times.items()}, same
 
+    def _unscriptable(self) -> str | None:
+        """None when a one-session step of this runner can run as decode_step.py's scripted graph (either step),
+        else why not."""
+        from . import decode_step
+        if type(self).forward is not TorchRunner.forward or self.attend is not None or self._decode_fn is not None:
+            return f"the {self.name} runner's decode is not model.py's torch path"
+        return decode_step.eligible(self.model, self.kv)
+
     @torch.no_grad()
     def choose_decode_step(self, setting: str = "auto", reps: int = 5, context: int = 64,
                            measured_by: str | None = None) -> dict[str, Any]:
@@ -371,10 +379,8 @@ class TorchRunner:
         why = None
         if setting == "eager":
             why = "MODELD_DECODE_STEP=eager"
-        elif type(self).forward is not TorchRunner.forward or self.attend is not None or self._decode_fn is not None:
-            why = f"the {self.name} runner's decode is not model.py's torch path"
         else:
-            why = decode_step.eligible(self.model, self.kv)
+            why = self._unscriptable()
         if why is None and self.kv.free_blocks < self.kv.blocks_for(context + 1):
             why = "not measured: no free KV blocks"
         step = None
@@ -441,10 +447,8 @@ class TorchRunner:
         why = None
         if setting == "exact":
             why = "MODELD_DECODED_KV=exact"
-        elif type(self).forward is not TorchRunner.forward or self.attend is not None or self._decode_fn is not None:
-            why = f"the {self.name} runner's decode is not model.py's torch path"
         else:
-            why = decode_step.eligible(self.model, self.kv)
+            why = self._unscriptable()
         step = None
         if why is None:
             try:
