@@ -376,11 +376,7 @@ class TorchRunner:
         from . import decode_step
         self.decode_step = None
         rep: dict[str, Any] = {"step": "eager", "setting": setting}
-        why = None
-        if setting == "eager":
-            why = "MODELD_DECODE_STEP=eager"
-        else:
-            why = self._unscriptable()
+        why = "MODELD_DECODE_STEP=eager" if setting == "eager" else self._unscriptable()
         if why is None and self.kv.free_blocks < self.kv.blocks_for(context + 1):
             why = "not measured: no free KV blocks"
         step = None
@@ -444,11 +440,7 @@ class TorchRunner:
         from . import decode_step
         self.decoded_kv, self.recompute_step = "exact", None
         rep: dict[str, Any] = {"decoded_kv": "exact", "setting": setting}
-        why = None
-        if setting == "exact":
-            why = "MODELD_DECODED_KV=exact"
-        else:
-            why = self._unscriptable()
+        why = "MODELD_DECODED_KV=exact" if setting == "exact" else self._unscriptable()
         step = None
         if why is None:
             try:
