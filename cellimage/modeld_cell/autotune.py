@@ -49,7 +49,7 @@ import torch
 from . import errors
 from .profile_gate import hardware, read_measurement, write_measurement
 
-AUTOTUNE_VERSION = 5                         # 2: dense candidates packed as served; one-row decode attention;
+AUTOTUNE_VERSION = 6                         # 2: dense candidates packed as served; one-row decode attention;
                                              # 3: decode through copies of the layer, not one layer kept in the
                                              #    cache; packed weights measured as loader.pack_and_probe serves
                                              #    them: in row tiles, or plain, where untiled rows are not invariant
@@ -59,6 +59,8 @@ AUTOTUNE_VERSION = 5                         # 2: dense candidates packed as ser
                                              #    gets no prefill figure (``pruned``)
                                              # 5: the decode figure at one thread as well as at the process count,
                                              #    ranked at the count the served step takes (rank)
+                                             # 6: a dense candidate's decode also timed as the whole-layer C step
+                                             #    (decode_step.KernelDecode) where that step may serve it
 COLD_BYTES = 256 << 20                       # at most this many bytes of layer copies for the decode figure
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
@@ -152,9 +154,46 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
     return mods[:4], (mods[4] if head else None)
 
 
+def _layer_step_ms(args: Any, dtype: torch.dtype, g: torch.Generator, copies: int, reps: int) -> dict[str, float]:
+    """A dense candidate's decode step as the whole-layer C step serves it (kernels/paged_decode/cpu.c
+    ``modeld_decode_layers``, its linears and the attention's keys split over the process's threads, then the head
+    by the same row linear): ``copies`` layers of plain random weights and DECODE_PAST cached keys each, one call,
+    scaled to the model's layers, plus the head. Milliseconds: ``layers``, ``head``, ``step``."""
+    import ctypes
+
+    from .kernels.paged_decode import cpu as cpu_kernels
+
+    hq, hkv, d, dim, inter = args.n_heads, args.n_kv_heads, args.head_dim, args.dim, args.intermediate_size
+    bs = 16
+    n = DECODE_PAST
+    nblk = (n + bs - 1) // bs
+    held: list[torch.Tensor] = []
+    for _ in range(copies):
+        lins, _ = _layer_modules(args, "dense", dtype, g, head=False)
+        held += [torch.ones(dim, dtype=dtype), torch.ones(dim, dtype=dtype), *(lin.weight.detach() for lin in lins),
+                 torch.randn(nblk, bs, hkv, d, generator=g).to(dtype), torch.randn(nblk, bs, hkv, d, generator=g).to(dtype)]
+    ptrs = (ctypes.c_void_p * len(held))(*[t.data_ptr() for t in held])
+    head_w = (torch.randn(args.vocab_size, dim, generator=g) * 0.02).to(dtype)
+    x0 = torch.randn(dim, generator=g).to(dtype).float()
+    cos, ssin = torch.ones(d), torch.zeros(d)
+    table = torch.arange(nblk, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    bf16 = dtype == torch.bfloat16
+
+    def step() -> None:
+        x = x0.clone()
+        cpu_kernels.decode_layers(x, ptrs, copies, cos, ssin, n - 1, table, n, bs, (dim, hq, hkv, d, inter), 1e-5,
+                                  1.0 / math.sqrt(d), bf16, bf16, threads)
+
+    layers = _median_ms(step, reps * 3) * args.n_layers / copies
+    xh = torch.randn(dim, generator=g).to(dtype)
+    head = _median_ms(lambda: cpu_kernels.gemv(head_w, xh, threads=threads), reps)
+    return {"layers": round(layers, 3), "head": round(head, 3), "step": round(layers + head, 3)}
+
+
 @torch.inference_mode()
 def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | None = None,
-            pack: bool = False, best_turn_ms: float | None = None) -> dict[str, Any]:
+            pack: bool = False, best_turn_ms: float | None = None, layer_step: bool = False) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
     layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys), the
     decode step at the process count and at one thread (``decode_ms_by_threads``; one thread's with the head at the
@@ -163,7 +202,9 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | 
     of them (at the faster count) already take ``best_turn_ms`` (another candidate's whole turn) or longer, this one
     cannot win, and its prefill, the slow part to time (q4_1-fp32's took some 7 s of a start on an AMX Xeon), is not
     timed: ``prefill_ms_per_token`` and ``turn_ms`` are then None and ``pruned``
-    says why."""
+    says why. ``layer_step`` (a dense candidate): its decode is also timed as the whole-layer C step
+    (``_layer_step_ms``, whose own threads serve whatever torch's count), recorded as ``layer_step_ms``; each
+    thread count's decode figure is then the faster of the two, as the runner serves the faster at start."""
     from .model import _segmented_attention, linears_row_invariant, settle_packed_rows
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -216,12 +257,15 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | 
     # at one thread, the head at whichever count is faster: runner.choose_decode_threads may run it at the process
     # count while the layers take one
     by_threads = {str(c): round(layers_ms[c] + (head_ms if c == n else min(head_at.values())), 3) for c in layers_ms}
+    step_ms = _layer_step_ms(args, dtype, g, copies, reps) if layer_step and kernel == "dense" else None
+    if step_ms is not None:
+        by_threads = {c: round(min(v, step_ms["step"]), 3) for c, v in by_threads.items()}
     decode = by_threads[str(n)]
     rec = {"name": f"{kernel}-{dtype_name}", "kernel": kernel, "dtype": dtype_name, "decode_ms": decode,
            "prefill_ms_per_token": None, "turn_ms": None, "decode_ms_by_threads": by_threads,
            "turn_ms_by_threads": None, "head": head_kernel, "head_ms": round(head_ms, 3),
            "decode_layer_copies": copies, "packed": any(_packed(lin) for lin in linears), "row_tile": tile,
-           "pack_refused": pack_refused, "pruned": None}
+           "pack_refused": pack_refused, "pruned": None, "layer_step_ms": step_ms}
     fastest = min(by_threads.values())
     if best_turn_ms is not None and TURN_DECODE * fastest >= best_turn_ms:
         rec["pruned"] = (f"its {TURN_DECODE} decoded tokens alone take {TURN_DECODE * fastest:.1f} ms, no less than "
@@ -324,22 +368,28 @@ def other_busy_cores(busy0: float | None, own0: float, wall0: float) -> float | 
     return max(0.0, (busy1 - busy0 - (time.process_time() - own0)) / wall)
 
 
-def _key(args: Any, cands: list[tuple[str, str]], threads: int, head: str | None, pack: bool = False) -> str:
+def _key(args: Any, cands: list[tuple[str, str]], threads: int, head: str | None, pack: bool = False,
+         layer_step: bool = False) -> str:
     shapes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                             "intermediate_size", "vocab_size")}
     payload = {"v": AUTOTUNE_VERSION, "hardware": hardware("cpu"), "threads": threads, "shapes": shapes,
                "candidates": cands, "head": head, "pack": pack}
+    if layer_step:                      # (absent otherwise: the key of a measurement without it is unchanged)
+        from .kernels.paged_decode import cpu as cpu_kernels
+        payload["layer_step"] = hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()[:16]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto", head: str | None = None,
-           kernel_ok: bool = True, pack: bool = False, decode_threads: int | None = None) -> Choice:
+           kernel_ok: bool = True, pack: bool = False, decode_threads: int | None = None,
+           layer_step: bool = False) -> Choice:
     """The compute path for ``profile.weights`` = ``weights`` on this CPU. ``forced`` (MODELD_WEIGHTS_PATH) names
     one candidate (``kernel-dtype``) to take without measuring; one that does not serve ``weights`` here is refused.
     ``head``: a quantized candidate's head kernel (quantize.head_kernel; None: the candidate's own).
     ``decode_threads`` (MODELD_DECODE_THREADS as a count): the count a one-session step decodes at; None (auto):
     the count an earlier start's step measured (record_decode_threads), else the process count; the loader ranks
-    again at the count the served step then takes (loader.load_engine)."""
+    again at the count the served step then takes (loader.load_engine). ``layer_step``: the whole-layer C step may
+    serve a dense path's decode (loader._layer_step_may_serve): it is timed too (``measure``)."""
     cands = candidates(weights, bf16_computes(), kernel_ok)
     names = [f"{k}-{d}" for k, d in cands]
     if forced != "auto":
@@ -353,7 +403,7 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         k, d = cands[0]
         return Choice(k, d, f"profile.weights {weights} pins it", [])
     threads = torch.get_num_threads()
-    key = _key(args, cands, threads, head, pack)
+    key = _key(args, cands, threads, head, pack, layer_step)
     path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
     rec = read_measurement(path, key, "candidates", list)
     if rec is not None and (rec.get("others_busy_cores") or 0) > MAX_OTHERS_BUSY and quiet_now():
@@ -364,7 +414,8 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         figures: list[dict[str, Any]] = []
         for k, d in cands:
             turns = [min(r["turn_ms_by_threads"].values()) for r in figures if r["turn_ms"] is not None]
-            figures.append(measure(args, k, d, head=head, pack=pack, best_turn_ms=min(turns) if turns else None))
+            figures.append(measure(args, k, d, head=head, pack=pack, best_turn_ms=min(turns) if turns else None,
+                                   layer_step=layer_step))
         rec = {"key": key, "candidates": figures, "threads": threads,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         busy = other_busy_cores(busy0, own0, wall0)

@@ -225,3 +225,97 @@ class ScriptedDecode:
                         inter, M.ATTN_SEGMENT, M._causal_rows(M.ATTN_SEGMENT, dtype, dev),
                         M._zeros(hkv, M.ATTN_SEGMENT, d, dtype, dev), 1.0 / math.sqrt(d), self.exact, self.kernel)
         return m.logits(x)
+
+
+def layers_eligible_weights(model: Any) -> str | None:
+    """The weights half of ``layers_eligible``: None when every layer linear is a plain RowLinear (oneDNN-packed
+    weights are opaque to C) in the compute dtype (fp32 or bf16) with no bias, and the RMSNorm weights are in it too;
+    else why not."""
+    dtype = getattr(model, "compute_dtype", None)
+    if not isinstance(model, M.Transformer) or dtype not in (torch.float32, torch.bfloat16):
+        return f"the layer step multiplies fp32/bf16 model.Transformer weights, not {type(model).__name__} in {dtype}"
+    for i, layer in enumerate(model.layers):
+        if type(layer) is not M.TransformerBlock:
+            return f"layer {i} is not a plain TransformerBlock"
+        for name, mod in (("wqkv", layer.attention.wqkv), ("wo", layer.attention.wo), ("w13", layer.feed_forward.w13),
+                          ("w2", layer.feed_forward.w2)):
+            if type(mod) is not M.RowLinear or mod.packed is not None:
+                what = "oneDNN-packed" if type(mod) is M.RowLinear else f"a {type(mod).__name__}"
+                return f"layer {i} {name} is {what}: the layer step multiplies plain dense weights"
+            if mod.bias is not None or mod.weight.dtype != dtype or not mod.weight.is_contiguous():
+                return f"layer {i} {name} has a bias, another dtype than {dtype} or a strided weight"
+        for norm in (layer.attention_norm, layer.ffn_norm):
+            if norm.weight.dtype != dtype:
+                return f"layer {i}: an RMSNorm weight in {norm.weight.dtype}, not {dtype}"
+    return None
+
+
+def layers_eligible(model: Any, kv: Any) -> str | None:
+    """None when ``KernelDecode`` (cpu.c's whole-layer step) can serve this model and cache, else why not: what the
+    scripted step takes (``eligible``) with the attention kernel (``kernel_eligible``), and plain dense weights
+    (``layers_eligible_weights``)."""
+    return eligible(model, kv) or kernel_eligible(model, kv) or layers_eligible_weights(model)
+
+
+class KernelDecode:
+    """The recomputing step as one C call for all layers (kernels/paged_decode/cpu.c ``modeld_decode_layers``), then
+    the head in torch: what ``ScriptedDecode(exact=False, kernel=True)`` computes, with the activations rounded where
+    that step rounds them, but fp32 sums in another order (the linears are not oneDNN's), so its bits are its own.
+    Its tokens' K/V are computed again by the next prefill, as every recomputing step's are. The weight pointers are
+    taken at construction and checked at every call against the modules' weights: a model re-packed or re-loaded
+    since raises instead of reading freed memory."""
+
+    def __init__(self, model: Any, kv: Any, threads: int = 1) -> None:
+        why = layers_eligible(model, kv)
+        if why is not None:
+            raise ValueError(why)
+        import ctypes
+
+        self.model, self.kv = model, kv
+        self.exact, self.kernel, self.threads = False, True, threads
+        self._held: list[Tensor] = []
+        for i, layer in enumerate(model.layers):
+            self._held += [layer.attention_norm.weight, layer.ffn_norm.weight, layer.attention.wqkv.weight,
+                           layer.attention.wo.weight, layer.feed_forward.w13.weight, layer.feed_forward.w2.weight,
+                           kv.k_layer(i), kv.v_layer(i)]
+        self._ptrs = (ctypes.c_void_p * len(self._held))(*[t.data_ptr() for t in self._held])
+        a = model.args
+        self._dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size)
+        out = model.output                  # the head by the kernel's row linear too, where it is a plain dense one
+        self._head = (type(out) in (M.RowLinear, torch.nn.Linear) and getattr(out, "packed", None) is None
+                      and out.bias is None and out.weight.dtype == model.compute_dtype and out.weight.is_contiguous())
+        self._eps, self._scale = float(a.norm_eps), 1.0 / math.sqrt(a.head_dim)
+
+    def _current(self) -> bool:
+        held = iter(self._held)
+        for i, layer in enumerate(self.model.layers):
+            for t in (layer.attention_norm.weight, layer.ffn_norm.weight, layer.attention.wqkv.weight,
+                      layer.attention.wo.weight, layer.feed_forward.w13.weight, layer.feed_forward.w2.weight,
+                      self.kv.k_layer(i), self.kv.v_layer(i)):
+                h = next(held)
+                if t is not h and (t is None or t.data_ptr() != h.data_ptr()):
+                    return False
+        return True
+
+    @torch.inference_mode()
+    def __call__(self, tok: int, pos: int, table: list[int]) -> Tensor:
+        if not self._current():
+            raise RuntimeError("the model's weights or KV pool changed since the layer step was built")
+        m, kv = self.model, self.kv
+        bs = kv.block_size
+        n = pos + 1
+        tab = torch.tensor(table[: kv.blocks_for(n)], dtype=torch.int32)
+        positions = torch.tensor([pos], dtype=torch.long)
+        x = m.tok_embeddings(torch.tensor([tok], dtype=torch.long)).float().contiguous().view(-1)
+        cos = m.rope_cos[positions].float()
+        sin = m.rope_sin[positions].float()
+        h = sin.shape[-1] // 2
+        ssin = torch.cat([-sin[:, :h], sin[:, h:]], -1).contiguous()
+        cpu_attention.decode_layers(x, self._ptrs, len(m.layers), cos.contiguous(), ssin, table[pos // bs] * bs
+                                    + pos % bs, tab, n, bs, self._dims, self._eps, self._scale,
+                                    m.compute_dtype == torch.bfloat16, kv.k.dtype == torch.bfloat16, self.threads)
+        h = x.to(m.compute_dtype).view(1, -1)
+        if not self._head:
+            return m.logits(h)
+        y = cpu_attention.gemv(m.output.weight, m.norm(h).view(-1), threads=self.threads)
+        return y.to(m.compute_dtype).float().view(1, -1)      # rounded as the torch head's output is, then fp32

@@ -13,6 +13,8 @@ import functools
 import hashlib
 import json
 import os
+import statistics
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -161,7 +163,8 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
     kernel_ok = not (dense - {"output"})
     choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head=head, kernel_ok=kernel_ok,
                              pack=settings is None or settings.pack_weights,
-                             decode_threads=settings.decode_threads if settings is not None else None)
+                             decode_threads=settings.decode_threads if settings is not None else None,
+                             layer_step=_layer_step_may_serve(settings, cache_dir))
     cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
     cfg.weights_head = head if choice.kernel != "dense" else None
     return dense, head
@@ -198,6 +201,69 @@ def pack_and_probe(model: Transformer) -> None:
         model.pack_refused = refused
         unpack_linears(model)                      # the layout drops "oneDNN-packed"
         probe()                                    # as served: plain
+
+
+def _layer_step_may_serve(settings: EngineSettings | None, cache_dir: str | None) -> bool:
+    """Whether a dense path's one-session decode may be the whole-layer C step (decode_step.KernelDecode): the CPU
+    kernels allowed and loaded, and the decoded K/V allowed to be recomputed (autotune then times that step too)."""
+    if settings is None or settings.cpu_kernels == "off" or settings.decoded_kv == "exact":
+        return False
+    from .kernels.paged_decode import cpu as cpu_kernels
+    return bool(cpu_kernels.load(cache_dir)["loaded"])
+
+
+def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_dir: str | None,
+                           reps: int = 9) -> str | None:
+    """Why the dense layer weights stay plain instead of oneDNN-packed, or None to pack them. The recomputing decode
+    step's whole-layer C kernel (decode_step.KernelDecode) multiplies a row by plain [out, in] weights, which oneDNN's
+    blocked copy is not. Kept plain where MODELD_CPU_KERNELS allows the kernels (auto: where they load), the decoded
+    K/V may be recomputed (MODELD_DECODED_KV not exact), the weights are dense fp32/bf16 without bias, and (auto)
+    the kernel's row linear multiplies one row by layer 0's four weights faster than oneDNN's packed call does, each
+    at the process's thread count, medians of ``reps`` alternated calls. What plain weights cost elsewhere: a prefill
+    chunk's linears reorder them inside each call, measured at 2-3 % of a 512-row chunk; a decode batch of several
+    sessions more (docs/kernels.md, "The whole-layer decode step")."""
+    from . import decode_step
+    from .kernels.paged_decode import cpu as cpu_kernels
+    from .model import _mm, can_pack
+
+    if settings.cpu_kernels == "off" or settings.decoded_kv == "exact":
+        return None
+    dtype = model.compute_dtype
+    if dtype not in (torch.float32, torch.bfloat16) or not can_pack(dtype):
+        return None
+    layer = model.layers[0]
+    lins = [layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2]
+    if decode_step.layers_eligible_weights(model) is not None:
+        return None
+    build = cpu_kernels.load(cache_dir)
+    if not build["loaded"]:
+        if settings.cpu_kernels == "on":
+            raise errors.Fatal(f"MODELD_CPU_KERNELS=on, but {build['reason']}")
+        return None
+    if settings.cpu_kernels == "on":
+        return "kept plain for the CPU kernels' whole-layer decode step (MODELD_CPU_KERNELS=on)"
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 2) for m in lins]
+        xs = [torch.randn(1, m.weight.shape[1], generator=torch.Generator().manual_seed(i)).to(dtype)
+              for i, m in enumerate(lins)]
+        times: dict[str, list[float]] = {"kernel": [], "oneDNN": []}
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for m, x in zip(lins, xs, strict=True):
+                cpu_kernels.gemv(m.weight, x.view(-1), threads=threads)
+            times["kernel"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for w, x in zip(packed, xs, strict=True):
+                _mm(x, w, None, True)
+            times["oneDNN"].append(time.perf_counter() - t0)
+        del packed
+    ms = {k: round(statistics.median(v[1:]) * 1e3, 3) for k, v in times.items()}
+    model.plain_linear_ms = ms
+    if ms["kernel"] >= ms["oneDNN"]:
+        return None
+    return (f"kept plain for the CPU kernels' whole-layer decode step: a row by layer 0's linears took "
+            f"{ms['kernel']} ms in its row linear, {ms['oneDNN']} ms in oneDNN's packed call ({threads} threads)")
 
 
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
@@ -393,7 +459,11 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
 
     ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers, settings, quality_cache)
     if rk is None and settings.pack_weights and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu":
-        pack_and_probe(model)        # before the identity: what the layout computes is part of every K/V bit
+        plain = keep_plain_for_kernels(model, settings, quality_cache)
+        if plain is None:
+            pack_and_probe(model)    # before the identity: what the layout computes is part of every K/V bit
+        else:
+            model.pack_refused = plain
     runner = None
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import statistics
 import time
@@ -448,9 +449,9 @@ class TorchRunner:
             except Exception as e:      # TorchScript absent or unable to compile this torch's ops
                 why = f"torch.jit.script failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         if why is None:
-            rep["attention"], kstep = self._recompute_kernel(kernels, cache_dir, step)
-            if kstep is not None:
-                step = self._choose_attention(rep["attention"], step, kstep, kernels, reps)
+            rep["attention"], ksteps = self._recompute_kernel(kernels, cache_dir, step)
+            if ksteps:
+                step = self._choose_attention(rep["attention"], step, ksteps, kernels, reps)
         if why is None and setting == "auto":
             context = min(context, self.model.args.max_seq_len - 1)
             if self.kv.free_blocks < self.kv.blocks_for(context + 1):
@@ -474,51 +475,63 @@ class TorchRunner:
         self.decoded_kv_report = rep
         return rep
 
-    @staticmethod
-    def _recompute_kernel(kernels: str, cache_dir: str | None, flash: Any) -> tuple[dict[str, Any], Any]:
-        """choose_decoded_kv's kernel half: loads the CPU paged-decode kernel unless ``kernels`` is "off" and
-        scripts the recomputing step that calls it. Returns the report's ``attention`` entry and that step (None
-        where there is none, and the entry says why)."""
+    def _recompute_kernel(self, kernels: str, cache_dir: str | None, flash: Any) -> tuple[dict[str, Any],
+                                                                                         dict[str, Any]]:
+        """choose_decoded_kv's kernel half: loads the CPU kernels (kernels/paged_decode/cpu.c) unless ``kernels``
+        is "off", and builds the recomputing steps that call them: "kernel", the scripted step with its attention
+        by the paged-decode kernel, and "layers", every layer of the row in one C call (decode_step.KernelDecode,
+        where the weights are plain dense ones: loader.pack_and_probe keeps them so where its linears are faster),
+        its linears split over the process's threads. Returns the report's ``attention`` entry and those steps by
+        name (none where there are none, and the entry says why)."""
         from . import decode_step
         from .kernels.paged_decode import cpu as cpu_attention
         if kernels == "off":
-            return {"served": "flash", "reason": "MODELD_CPU_KERNELS=off"}, None
+            return {"served": "flash", "reason": "MODELD_CPU_KERNELS=off"}, {}
         build = cpu_attention.load(cache_dir)
         why = build["reason"] if not build["loaded"] else decode_step.kernel_eligible(flash.model, flash.kv)
         att: dict[str, Any] = {"served": "flash", "build": build}
+        steps: dict[str, Any] = {}
         if why is None:
             try:
-                return att, decode_step.ScriptedDecode(flash.model, flash.kv, exact=False, kernel=True)
+                steps["kernel"] = decode_step.ScriptedDecode(flash.model, flash.kv, exact=False, kernel=True)
             except Exception as e:
                 why = f"torch.jit.script failed with the kernel: {type(e).__name__}: {str(e)[:200]}"
+        if why is None:
+            layers_why = decode_step.layers_eligible(flash.model, flash.kv)
+            if layers_why is None:
+                steps["layers"] = decode_step.KernelDecode(flash.model, flash.kv, torch.get_num_threads())
+            else:
+                att["layers"] = layers_why
+            return att, steps
         if kernels == "on":
             raise errors.Fatal(f"MODELD_CPU_KERNELS=on, but {why}")
         att["reason"] = why
-        return att, None
+        return att, {}
 
-    def _choose_attention(self, att: dict[str, Any], flash: Any, kernel: Any, kernels: str, reps: int) -> Any:
-        """The recomputing step to serve, the flash call's or the kernel's: untimed under MODELD_CPU_KERNELS=on,
-        else the faster at ATTENTION_CONTEXT cached tokens (the tier's last position where it is shorter), the same
-        token decoded ``reps`` times each way alternately over scratch blocks of seeded random K/V. Records the
-        figures and why in ``att``."""
+    def _choose_attention(self, att: dict[str, Any], flash: Any, steps: dict[str, Any], kernels: str,
+                          reps: int) -> Any:
+        """The recomputing step to serve: the flash call's, or one of ``steps`` (``_recompute_kernel``'s). Untimed
+        under MODELD_CPU_KERNELS=on (the whole-layer step where there is one), else the fastest at
+        ATTENTION_CONTEXT cached tokens (the tier's last position where it is shorter), the same token decoded
+        ``reps`` times each way alternately over scratch blocks of seeded random K/V. Records the figures and why
+        in ``att``."""
         if kernels == "on":
-            att.update(served="kernel", reason="MODELD_CPU_KERNELS=on")
-            return kernel
+            name = "layers" if "layers" in steps else "kernel"
+            att.update(served=name, reason="MODELD_CPU_KERNELS=on")
+            return steps[name]
         n = min(self.ATTENTION_CONTEXT, self.model.args.max_seq_len - 1)
         if self.kv.free_blocks < self.kv.blocks_for(n + 1):
             att["reason"] = f"not measured: no free KV blocks for {n} tokens"
             return flash
-        ms, _ = self._decode_alternately({"flash": lambda: self._serving("recompute", flash),
-                                          "kernel": lambda: self._serving("recompute", kernel)},
+        variants = {"flash": flash, **steps}
+        ms, _ = self._decode_alternately({k: functools.partial(self._serving, "recompute", v)
+                                          for k, v in variants.items()},
                                          reps, n, seed=19, with_kv=False, prefill=False)
-        att.update(median_ms=ms, context=n, reps=reps)
-        if ms["kernel"] < ms["flash"]:
-            att.update(served="kernel", reason=f"after {n} tokens the kernel's step took {ms['kernel']} ms, the flash "
-                                               f"call's {ms['flash']} ms")
-            return kernel
-        att["reason"] = (f"after {n} tokens the kernel's step took {ms['kernel']} ms, not less than the flash call's "
-                         f"{ms['flash']} ms")
-        return flash
+        best = min(ms, key=lambda k: ms[k])
+        others = ", ".join(f"{k} {v} ms" for k, v in ms.items() if k != best)
+        att.update(median_ms=ms, context=n, reps=reps, served=best,
+                   reason=f"after {n} tokens the {best} step took {ms[best]} ms ({others})")
+        return variants[best]
 
     @contextlib.contextmanager
     def _serving(self, kind: str, step: Any) -> Iterator[None]:

@@ -6,6 +6,7 @@ prefill of the same tokens (bit for bit where this CPU's probe says reuse is bit
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from modeld_cell.engine import Engine, EngineSettings
 from modeld_cell.kernels.paged_decode import cpu as cpu_attention
 
 from .cellutil import LOGIT_ATOL, full_logits, generate
+from .conftest import SPEC
 
 pytestmark = pytest.mark.cell
 
@@ -155,3 +157,32 @@ async def test_an_exact_cell_keeps_decoded_tokens(engine, make_engine):
     assert s.recompute_from is None and s.exact_len == s.kv_len == 64 and len(s.hashes) == 4
     tr = await eng.prefill_suffix("a", [11, 12])
     assert tr.tokens_computed == 1 + 2
+
+
+@pytest.mark.skipif(KERNELS == "off", reason="no C compiler on PATH: the CPU kernels are off")
+async def test_the_whole_layer_step_serves_a_cell_whose_loader_kept_the_weights_plain(smollm2_path):
+    """A cell loaded with MODELD_CPU_KERNELS=on and MODELD_DECODED_KV=recompute: the loader keeps the dense layer
+    weights plain (loader.keep_plain_for_kernels, before the identity), and the one-session step is the C layer step
+    (decode_step.KernelDecode). Its decoded tokens are recomputed with the append like any recomputing step's, and
+    the continuation is held to a cold prefill and to the one-pass reference."""
+    from modeld_cell import decode_step as DS
+
+    settings = dataclasses.replace(EngineSettings.from_env(), threads=torch.get_num_threads(),
+                                   decoded_kv="recompute", cpu_kernels="on")
+    eng = Engine.from_cell(SPEC, model_path=smollm2_path, settings=settings)
+    try:
+        rep = eng.capability()
+        assert "oneDNN-packed" not in eng.identity["weights_kernel"]
+        assert rep["runtime"]["weights_pack_refused"] == ("kept plain for the CPU kernels' whole-layer decode step "
+                                                          "(MODELD_CPU_KERNELS=on)")
+        assert isinstance(eng.runner.recompute_step, DS.KernelDecode)
+        assert rep["runtime"]["decoded_kv"]["attention"]["served"] == "layers"
+        p = _prompt(eng, 45)
+        await eng.ensure_prefix("a", p)
+        ids, _, _ = await generate(eng, "a", 12, ignore_eos=True)
+        assert len(ids) == 12 and eng._sessions["a"].recompute_from == 45
+        tr = await eng.prefill_suffix("a", _prompt(eng, 50)[45:])
+        assert tr.tokens_computed == 12 + 5
+        await _assert_cold(eng, "a", "after-suffix")
+    finally:
+        eng.shutdown()

@@ -113,3 +113,35 @@ def test_a_failed_build_or_check_leaves_the_kernel_off_with_the_reason(tmp_path,
     monkeypatch.setattr(cpu, "self_check", wrong)
     rep = cpu._load(str(tmp_path))
     assert not rep["loaded"] and "failed its check against the reference" in rep["reason"] and not cpu.loaded()
+
+
+# ---- the whole-layer decode step's row linear (cpu.c's gemv: 16-row groups, 32/16-element steps, a masked tail)
+
+GEMV_SHAPES = [(1, 1), (15, 31), (16, 32), (17, 33), (48, 576), (960, 576), (5, 1536), (49, 19)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: DTYPE_NAME[d])
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_the_row_linear_is_the_matrix_vector_product(shape, dtype, threads):
+    """Against fp64 on the same bf16/fp32 inputs: rows off and on its 16-row groups and split over threads (a share
+    may be empty), K off and on its steps; the portable loop too. Every row written, none past N."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(k, generator=g).to(dtype)
+    want = w.double() @ x.double()
+    atol, rtol = TOL[dtype]
+    for portable in (False, True):
+        got = cpu.gemv(w, x, portable=portable, threads=threads)
+        assert got.shape == (n,) and got.dtype == torch.float32
+        assert_close(f"gemv portable={portable}", want.float(), got, atol, rtol)
+
+
+def test_the_row_linear_refuses_what_it_cannot_multiply():
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu.gemv(torch.randn(4, 8), torch.randn(8).bfloat16())
+    with pytest.raises(ValueError, match=r"w \[N, K\] and x \[K\]"):
+        cpu.gemv(torch.randn(4, 8), torch.randn(9))
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        cpu.gemv(torch.randn(4, 8).half(), torch.randn(8).half())

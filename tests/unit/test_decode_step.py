@@ -225,10 +225,12 @@ class _Priced(TorchRunner):
     recompute_ms), returning ``logits`` of either (choose_decoded_kv's logic)."""
 
     def __init__(self, exact_ms: float, recompute_ms: float, prefill_ms: float,
-                 logits: dict[str, list[float]] | None = None, kernel_ms: float | None = None) -> None:
+                 logits: dict[str, list[float]] | None = None, kernel_ms: float | None = None,
+                 layers_ms: float | None = None) -> None:
         super().__init__(_model("plain", torch.float32), PagedKVCache(2, 2, 16, kv_format("fp32"), 1 << 22, 16))
         self.exact_ms, self.recompute_ms, self.prefill_ms = exact_ms, recompute_ms, prefill_ms
         self.kernel_ms = recompute_ms if kernel_ms is None else kernel_ms
+        self.layers_ms = self.kernel_ms if layers_ms is None else layers_ms
         self.stated = logits or {"exact": [0.0, 1.0, 2.0], "recompute": [0.0, 1.0, 2.0]}
 
     def prefill(self, tokens, start, blocks, sparse=None):  # type: ignore[no-untyped-def]
@@ -239,7 +241,9 @@ class _Priced(TorchRunner):
     def decode(self, toks, positions, tables):  # type: ignore[no-untyped-def]
         import time
         kind = "exact" if self.writes_exact(len(toks)) else "recompute"
-        ms = self.exact_ms if kind == "exact" else self.kernel_ms if self.recompute_step.kernel else self.recompute_ms
+        step = self.recompute_step
+        ms = self.exact_ms if kind == "exact" else self.layers_ms if isinstance(step, DS.KernelDecode) else \
+            self.kernel_ms if step.kernel else self.recompute_ms
         time.sleep(ms / 1e3)
         return torch.tensor([self.stated[kind]])
 
@@ -279,25 +283,42 @@ def test_decoded_kv_settings_and_what_cannot_recompute() -> None:
     assert r.decoded_kv == "exact" and "quantized (int8)" in rep["reason"]
 
 
-def test_the_recomputing_step_takes_the_cpu_kernel_where_it_was_measured_faster() -> None:
-    """The test's own prices: the kernel's step at 2 ms against the flash call's 4 ms is served, timed at the
-    attention context (the tier's last position here), and the exact step is then measured against it; at 6 ms it
-    is not served. Forced recompute times the two attentions too; "on" takes the kernel untimed."""
+def test_the_recomputing_step_takes_the_cpu_kernels_where_they_were_measured_faster() -> None:
+    """The test's own prices: of the flash call's step (4 ms), the kernel's (2 ms) and the whole-layer C step's
+    (1 ms), the fastest is served, timed at the attention context (the tier's last position here), and the exact
+    step is then measured against it; the others in their turn where they are the fastest. "on" takes the
+    whole-layer step untimed, where the weights are plain (here), else the kernel's."""
     _kernel()
-    r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=2.0, prefill_ms=0.1)
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=2.0, layers_ms=1.0, prefill_ms=0.1)
     rep = r.choose_decoded_kv("auto", reps=3, context=32)
     att = rep["attention"]
-    assert r.decoded_kv == "recompute" and r.recompute_step.kernel and att["served"] == "kernel"
-    assert set(att["median_ms"]) == {"flash", "kernel"} and att["build"]["loaded"] and att["context"] == 1023
+    assert r.decoded_kv == "recompute" and isinstance(r.recompute_step, DS.KernelDecode) and att["served"] == "layers"
+    assert set(att["median_ms"]) == {"flash", "kernel", "layers"} and att["build"]["loaded"] and att["context"] == 1023
+    assert att["reason"].startswith("after 1023 tokens the layers step took") and "kernel " in att["reason"]
     assert rep["saved_ms"] == round(rep["median_ms"]["exact"] - rep["median_ms"]["recompute"], 2)
     assert rep["median_ms"]["recompute"] < 4.0 and r.kv.used_blocks == 0
-    r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=6.0, prefill_ms=0.1)
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=2.0, layers_ms=6.0, prefill_ms=0.1)
+    rep = r.choose_decoded_kv("recompute", reps=3, context=32)
+    assert type(r.recompute_step) is DS.ScriptedDecode and r.recompute_step.kernel
+    assert rep["attention"]["served"] == "kernel"
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=6.0, layers_ms=7.0, prefill_ms=0.1)
     rep = r.choose_decoded_kv("recompute", reps=3, context=32)
     assert not r.recompute_step.kernel and rep["attention"]["served"] == "flash"
-    assert "not less than the flash call's" in rep["attention"]["reason"] and "median_ms" not in rep
+    assert "the flash step took" in rep["attention"]["reason"] and "median_ms" not in rep
     rep = r.choose_decoded_kv("recompute", kernels="on")
-    assert r.recompute_step.kernel and rep["attention"]["reason"] == "MODELD_CPU_KERNELS=on"
+    assert isinstance(r.recompute_step, DS.KernelDecode) and rep["attention"]["reason"] == "MODELD_CPU_KERNELS=on"
     assert "median_ms" not in rep["attention"]
+
+
+def test_the_kernel_step_without_plain_weights_says_why_and_the_scripted_kernel_serves() -> None:
+    _kernel()
+    m = _model("q4_1", torch.float32)
+    r = _runner(m)
+    rep = r.choose_decoded_kv("recompute", kernels="on")
+    assert type(r.recompute_step) is DS.ScriptedDecode and r.recompute_step.kernel
+    assert rep["attention"]["served"] == "kernel"
+    assert rep["attention"]["layers"] == "layer 0 wqkv is a Int4WeightOnlyLinear: the layer step multiplies plain " \
+                                         "dense weights"
 
 
 def test_the_cpu_kernel_required_but_not_loadable_is_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,3 +330,97 @@ def test_the_cpu_kernel_required_but_not_loadable_is_fatal(monkeypatch: pytest.M
     rep = r.choose_decoded_kv("recompute")             # auto: the flash call serves, with the reason
     assert r.decoded_kv == "recompute" and not r.recompute_step.kernel
     assert rep["attention"]["reason"] == "no C compiler on PATH"
+
+
+# ---- the whole-layer C step (decode_step.KernelDecode): the recomputing step's function, in one call
+
+@pytest.mark.parametrize("threads", [1, 2], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+def test_the_layer_step_computes_the_recomputing_steps_function(dtype: torch.dtype, threads: int) -> None:
+    """Past the first 512-key segment (33 blocks: at two threads the keys are split and merged), over a scattered
+    block table against a consecutive one: its logits and the K/V it writes are the scripted kernel step's up to
+    rounding (the linears' sums in another order), and it picks the same tokens."""
+    _kernel()
+    m = _model("plain", dtype)
+    r = _runner(m, "bf16" if dtype == torch.bfloat16 else "fp32")
+    assert DS.layers_eligible(m, r.kv) is None
+    ref = DS.ScriptedDecode(m, r.kv, exact=False, kernel=True)
+    step = DS.KernelDecode(m, r.kv, threads)
+    nblk = r.kv.blocks_for(CONTEXT + 4)
+    a, b = r.kv.allocate(nblk)[::-1], r.kv.allocate(nblk)
+    toks = [(i * 31 + 7) % m.args.vocab_size for i in range(CONTEXT)]
+    r.prefill(toks, 0, a)
+    r.prefill(toks, 0, b)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    tok = toks[-1]
+    for i in range(3):
+        pos = CONTEXT + i
+        want = ref(tok, pos, b)
+        got = step(tok, pos, a)
+        assert got.shape == want.shape == (1, m.args.vocab_size) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, **tol)
+        assert int(got.argmax()) == int(want.argmax())
+        tok = int(want[0].argmax())
+    for x, y in zip(_kv_of(r, a), _kv_of(r, b), strict=True):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
+def test_the_layer_step_takes_plain_dense_weights_only_and_follows_the_model() -> None:
+    _kernel()
+    for kind, why in (("packed", "layer 0 wqkv is oneDNN-packed"), ("int8", "layer 0 wqkv is a Int8WeightOnlyLinear")):
+        if kind == "packed" and not M.can_pack(torch.float32):
+            continue
+        m = _model(kind, torch.float32)
+        assert DS.layers_eligible(m, _runner(m).kv).startswith(why)
+        with pytest.raises(ValueError, match=why):
+            DS.KernelDecode(m, _runner(m).kv)
+    m = _model("plain", torch.float32, bias=True)                   # Qwen2's q/k/v bias
+    assert "has a bias" in DS.layers_eligible(m, _runner(m).kv)
+    m = _model("plain", torch.float32)
+    r = _runner(m)
+    step = DS.KernelDecode(m, r.kv)
+    blocks = r.kv.allocate(2)
+    r.prefill([1, 2, 3], 0, blocks)
+    assert step(4, 3, blocks).shape == (1, 96)
+    if M.can_pack(torch.float32):           # packed since: the pointers it took are stale, and it says so
+        M.pack_linears(m)
+        with pytest.raises(RuntimeError, match="changed since the layer step was built"):
+            step(4, 3, blocks)
+
+
+def test_the_loader_keeps_dense_weights_plain_only_for_a_faster_layer_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """loader.keep_plain_for_kernels: never with the kernels off, exact decoded K/V or quantized weights; untimed
+    under MODELD_CPU_KERNELS=on; under auto by which one-row multiply of layer 0's linears was faster, at the test's
+    own prices (either side slowed by a sleep)."""
+    import time as _time
+
+    from modeld_cell import loader
+    _kernel()
+    m = _model("plain", torch.float32)
+    assert loader.keep_plain_for_kernels(m, EngineSettings(cpu_kernels="off"), None) is None
+    assert loader.keep_plain_for_kernels(m, EngineSettings(decoded_kv="exact"), None) is None
+    assert loader.keep_plain_for_kernels(_model("q4_1", torch.float32), EngineSettings(), None) is None
+    if not M.can_pack(torch.float32):
+        return
+    assert loader.keep_plain_for_kernels(m, EngineSettings(cpu_kernels="on"), None) == (
+        "kept plain for the CPU kernels' whole-layer decode step (MODELD_CPU_KERNELS=on)")
+    real_gemv, real_mm = cpu_attention.gemv, M._mm
+
+    def slow(fn):  # type: ignore[no-untyped-def]
+        def wrapped(*a, **k):  # type: ignore[no-untyped-def]
+            _time.sleep(0.002)
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(cpu_attention, "gemv", slow(real_gemv))
+    assert loader.keep_plain_for_kernels(m, EngineSettings(), None, reps=3) is None
+    assert m.plain_linear_ms["kernel"] > m.plain_linear_ms["oneDNN"]
+    monkeypatch.setattr(cpu_attention, "gemv", real_gemv)
+    monkeypatch.setattr(M, "_mm", slow(real_mm))
+    why = loader.keep_plain_for_kernels(m, EngineSettings(), None, reps=3)
+    assert why is not None and why.startswith("kept plain for the CPU kernels' whole-layer decode step: a row by "
+                                              "layer 0's linears took")
+    monkeypatch.setattr(cpu_attention, "load", lambda cache_dir: {"loaded": False, "reason": "no C compiler on PATH"})
+    assert loader.keep_plain_for_kernels(m, EngineSettings(), None) is None
+    with pytest.raises(errors.Fatal, match="MODELD_CPU_KERNELS=on, but no C compiler on PATH"):
+        loader.keep_plain_for_kernels(m, EngineSettings(cpu_kernels="on"), None)

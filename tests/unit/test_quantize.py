@@ -330,6 +330,29 @@ def test_packed_weights_whose_rows_differ_by_call_size_are_measured_as_served(mo
     assert (r["packed"], r["pack_refused"]) == (False, None)       # a quantized kernel's codes are not oneDNN-packed
 
 
+def test_a_dense_candidate_is_also_timed_as_the_whole_layer_step_where_it_may_serve(monkeypatch):
+    """layer_step: a dense candidate's decode is timed through cpu.c's layer step too (its figures recorded), and
+    each thread count's decode figure is the faster of the torch step's and that one (the test's own price for the
+    C step: far slower, then far faster than the torch step); a quantized candidate is not timed so. The key
+    of a measurement that may take the layer step is another one."""
+    from modeld_cell.kernels.paged_decode import cpu
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler on PATH: the CPU kernels are off")
+    assert cpu.load(None)["loaded"]
+    r = autotune.measure(TINY, "dense", "fp32", reps=1, layer_step=True)
+    assert set(r["layer_step_ms"]) == {"layers", "head", "step"} and r["layer_step_ms"]["step"] > 0
+    assert all(v <= r["layer_step_ms"]["step"] for v in r["decode_ms_by_threads"].values())
+    assert autotune.measure(TINY, "q4_1", "fp32", reps=1, layer_step=True)["layer_step_ms"] is None
+    monkeypatch.setattr(autotune, "_layer_step_ms", lambda *a: {"layers": 1e6, "head": 0.0, "step": 1e6})
+    slow = autotune.measure(TINY, "dense", "fp32", reps=1, layer_step=True)
+    assert all(v < 1e6 for v in slow["decode_ms_by_threads"].values())
+    monkeypatch.setattr(autotune, "_layer_step_ms", lambda *a: {"layers": 0.0, "head": 0.001, "step": 0.001})
+    fast = autotune.measure(TINY, "dense", "fp32", reps=1, layer_step=True)
+    assert set(fast["decode_ms_by_threads"].values()) == {0.001}
+    cands = [("dense", "fp32"), ("dense", "bf16")]
+    assert autotune._key(TINY, cands, 2, None) != autotune._key(TINY, cands, 2, None, layer_step=True)
+
+
 def test_a_quantized_candidate_times_the_head_it_will_serve():
     """The head a q4_1 candidate is timed with is the loader's (quantize.head_kernel): int8 or dense as told, the
     format's own by default; a dense candidate's head is dense whatever the quantized one's."""

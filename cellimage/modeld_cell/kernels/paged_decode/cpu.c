@@ -16,6 +16,10 @@
  */
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,19 +109,36 @@ static inline __m512 load16(const void *p, int64_t off, int bf16) {
     return _mm512_loadu_ps((const float *)p + off);
 }
 
-/* AVX-512, D a multiple of 16 up to 256, G up to MAX_G: one kv head at a time, its G query rows in registers. */
+/* softmax numerators in place over s[0..n): their max in *m, their sum returned */
+static float exp_range(float *s, int64_t n, float *m) {
+    float mx = -FLT_MAX, a = 0.f;
+    for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    for (int64_t t = 0; t < n; t++) {
+        float e = expf(s[t] - mx);
+        s[t] = e;
+        a += e;
+    }
+    *m = mx;
+    return a;
+}
+
+/* AVX-512, D a multiple of 16 up to 256, G up to MAX_G: the blocks [b_lo, b_hi) of the row's table, one kv head at a
+ * time, its G query rows in registers. Writes each query head's unnormalised P.V (o [Hq, D] fp32), the max of its
+ * scores (m [Hq]) and the sum of its numerators (l [Hq]): a whole row is one range, normalised by l; a row split
+ * over threads merges its ranges' (o, m, l) exactly as an LSE merge does. s: [Hq, n] scratch (columns of the range). */
 static inline __attribute__((always_inline)) void
-row_avx512(const void *q, void *out, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t bs,
-           const int hq, const int hkv, const int d, float scale, int kv_bf16, int q_bf16, float *s) {
+range_avx512(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t bs,
+             const int hq, const int hkv, const int d, float scale, int kv_bf16, int q_bf16, float *s, int64_t b_lo,
+             int64_t b_hi, float *o_out, float *m_out, float *l_out) {
     const int g = hq / hkv, nv = d / 16;
     const int64_t ts = (int64_t)hkv * d, nblk = (n + bs - 1) / bs, esz = kv_bf16 ? 2 : 4;
+    const int64_t t_lo = b_lo * bs, t_hi = (b_hi * bs < n ? b_hi * bs : n);
     for (int h = 0; h < hkv; h++) {
         __m512 qv[MAX_G][16], o[MAX_G][16];
-        float inv[MAX_G];
         for (int r = 0; r < g; r++)
             for (int c = 0; c < nv; c++)
                 qv[r][c] = _mm512_mul_ps(load16(q, (int64_t)(h * g + r) * d + c * 16, q_bf16), _mm512_set1_ps(scale));
-        for (int64_t b = 0; b < nblk; b++) {
+        for (int64_t b = b_lo; b < b_hi; b++) {
             const int64_t t0 = b * bs, len = n - t0 < bs ? n - t0 : bs;
             const int64_t base = (int64_t)table[b] * bs * ts + (int64_t)h * d;
             if (b + 1 < nblk) /* the next block is elsewhere in the pool: start its first row early */
@@ -132,10 +153,11 @@ row_avx512(const void *q, void *out, const void *kc, const void *vc, const int32
                 }
             }
         }
-        for (int r = 0; r < g; r++) inv[r] = exp_rows(s + (int64_t)r * n, n);
+        for (int r = 0; r < g; r++)
+            l_out[h * g + r] = exp_range(s + (int64_t)r * n + t_lo, t_hi - t_lo, m_out + h * g + r);
         for (int r = 0; r < g; r++)
             for (int c = 0; c < nv; c++) o[r][c] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nblk; b++) {
+        for (int64_t b = b_lo; b < b_hi; b++) {
             const int64_t t0 = b * bs, len = n - t0 < bs ? n - t0 : bs;
             const int64_t base = (int64_t)table[b] * bs * ts + (int64_t)h * d;
             if (b + 1 < nblk)
@@ -149,15 +171,21 @@ row_avx512(const void *q, void *out, const void *kc, const void *vc, const int32
                 }
             }
         }
-        for (int r = 0; r < g; r++) {
-            float tmp[16];
-            for (int c = 0; c < nv; c++) {
-                _mm512_storeu_ps(tmp, _mm512_mul_ps(o[r][c], _mm512_set1_ps(inv[r])));
-                for (int i = 0; i < 16; i++) store1(out, (int64_t)(h * g + r) * d + c * 16 + i, tmp[i], q_bf16);
-            }
-        }
+        for (int r = 0; r < g; r++)
+            for (int c = 0; c < nv; c++) _mm512_storeu_ps(o_out + (int64_t)(h * g + r) * d + c * 16, o[r][c]);
     }
 }
+
+static void range_any(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t bs,
+                      int hq, int hkv, int d, float scale, int kv_bf16, int q_bf16, float *s, int64_t b_lo,
+                      int64_t b_hi, float *o, float *m, float *l) {
+    if (d == 64) /* SmolLM2 and most small models: the loops unrolled */
+        range_avx512(q, kc, vc, table, n, bs, hq, hkv, 64, scale, kv_bf16, q_bf16, s, b_lo, b_hi, o, m, l);
+    else
+        range_avx512(q, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, s, b_lo, b_hi, o, m, l);
+}
+
+static int avx512_takes(int hq, int hkv, int d) { return d % 16 == 0 && d <= 256 && hq / hkv <= MAX_G; }
 #endif
 
 /* 1 where this build has the AVX-512 path, else 0 (the capability report names which path serves) */
@@ -183,14 +211,380 @@ int modeld_paged_decode(const void *q, void *out, const void *k_cache, const voi
         cap = need;
     }
 #if defined(__AVX512F__)
-    if (d % 16 == 0 && d <= 256 && hq / hkv <= MAX_G) {
-        if (d == 64) /* SmolLM2 and most small models: the loops unrolled */
-            row_avx512(q, out, k_cache, v_cache, table, n, bs, hq, hkv, 64, scale, kv_bf16, q_bf16, scratch);
-        else
-            row_avx512(q, out, k_cache, v_cache, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, scratch);
+    if (avx512_takes(hq, hkv, d)) {
+        float o[MAX_HD], m[MAX_HD], l[MAX_HD];
+        range_any(q, k_cache, v_cache, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, scratch, 0, (n + bs - 1) / bs,
+                  o, m, l);
+        for (int r = 0; r < hq; r++)
+            for (int i = 0; i < d; i++) store1(out, (int64_t)r * d + i, o[(int64_t)r * d + i] * (1.f / l[r]), q_bf16);
         return 0;
     }
 #endif
     row_portable(q, out, k_cache, v_cache, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, scratch);
+    return 0;
+}
+
+/* ---- The recomputing decode step's layers, whole (#18) ----
+ *
+ * modeld_decode_layers runs every transformer layer of one session's decode row in one call: what decode_step.py's
+ * decode_layers computes with exact=False and the kernel (RMSNorm, the fused q|k|v linear, RoPE, the K/V write, the
+ * attention above, wo and the residual, RMSNorm, the fused gate|up linear, SwiGLU, w2 and the residual), with the
+ * activations rounded to the compute dtype wherever the torch step rounds them. Why: the torch step is some 150 op
+ * calls a layer, each a few microseconds of dispatch and allocation, and its one-row linears run oneDNN's GEMV,
+ * which read bf16 weights at about half this CPU's single-thread memory bandwidth (docs/kernels.md). Here a row's
+ * linears stream the plain [out, in] weights with prefetch, in fp32 sums (AVX512_BF16's dot products where the
+ * build has them). Like the attention above, it serves only the recomputing step, whose K/V the next prefill
+ * computes again: nothing reused ever holds its rounding.
+ */
+
+static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* y[o] = sum_k W[o, k] x[k] for o < N, fp32 sums. W row-major [N, K] and x [K] in one dtype (bf16 or fp32). */
+static void gemv_portable(const void *W, const void *x, float *y, int N, int K, int bf16) {
+    for (int o = 0; o < N; o++) {
+        float acc = 0.f;
+        for (int k = 0; k < K; k++) acc += load1(W, (int64_t)o * K + k, bf16) * load1(x, k, bf16);
+        y[o] = acc;
+    }
+}
+
+#if defined(__AVX512F__)
+/* lane j of the result: the sum of v[j]'s 16 lanes (a transposing add tree) */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+#define GEMV_PREFETCH_ROWS 16 /* rows ahead the loop asks the memory for (measured: docs/kernels.md) */
+
+/* One row's dot product with x, 16 or 32 elements a step (masked tail). */
+static inline __attribute__((always_inline)) __m512 dot_row(const void *w, const void *x, int K, int bf16) {
+    __m512 a = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        int k = 0;
+        for (; k + 32 <= K; k += 32)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const uint16_t *)x + k),
+                                 (__m512bh)_mm512_loadu_si512((const uint16_t *)w + k));
+        if (k < K) {
+            const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1ull);
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)x + k),
+                                 (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)w + k));
+        }
+        return a;
+    }
+#endif
+    int k = 0;
+    for (; k + 16 <= K; k += 16) a = _mm512_fmadd_ps(load16(w, k, bf16), load16(x, k, bf16), a);
+    if (k < K) {
+        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv, xv;
+        if (bf16) {
+            wv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k)), 16));
+            xv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k)), 16));
+        } else {
+            wv = _mm512_maskz_loadu_ps(m, (const float *)w + k);
+            xv = _mm512_maskz_loadu_ps(m, (const float *)x + k);
+        }
+        a = _mm512_fmadd_ps(wv, xv, a);
+    }
+    return a;
+}
+
+static void gemv_avx512(const void *W, const void *x, float *y, int N, int K, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4, row = (int64_t)K * esz;
+    int o = 0;
+    for (; o + 16 <= N; o += 16) {
+        __m512 acc[16];
+        const char *w0 = (const char *)W + (int64_t)o * row;
+        if (o + 16 + GEMV_PREFETCH_ROWS <= N) /* the rows GEMV_PREFETCH_ROWS ahead, while these are summed */
+            for (int64_t i = 0; i < 16 * row; i += 64) _mm_prefetch(w0 + GEMV_PREFETCH_ROWS * row + i, _MM_HINT_T0);
+        for (int r = 0; r < 16; r++) acc[r] = dot_row(w0 + r * row, x, K, bf16);
+        _mm512_storeu_ps(y + o, hsum16(acc));
+    }
+    for (; o < N; o++) y[o] = _mm512_reduce_add_ps(dot_row((const char *)W + (int64_t)o * row, x, K, bf16));
+}
+#endif
+
+static void gemv(const void *W, const void *x, float *y, int N, int K, int bf16) {
+#if defined(__AVX512F__)
+    gemv_avx512(W, x, y, N, K, bf16);
+#else
+    gemv_portable(W, x, y, N, K, bf16);
+#endif
+}
+
+
+/* ---- A pool of helper threads for the layer step's linears ----
+ * A one-session decode step runs torch at one intra-op thread (runner.choose_decode_threads), so the other cores
+ * idle while a row's linears stream their weights. The pool's helpers take a share of each linear's rows: they spin
+ * between the calls of a step (microseconds apart) and sleep on a condition variable after SPIN_NS without work, so
+ * a prefill's own threads have the cores to themselves. Started on first use in the calling process (a forked child
+ * starts its own); one caller at a time (a second concurrent caller runs alone).
+ */
+#define MAX_THREADS 8
+#define SPIN_NS 200000L
+
+typedef void (*task_fn)(void *arg, int part, int parts);
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static atomic_uint pool_gen;
+static atomic_int pool_pending;
+static atomic_flag pool_busy = ATOMIC_FLAG_INIT;
+static task_fn pool_fn;
+static void *pool_arg;
+static int pool_parts, pool_started; /* helpers running: made as callers ask for them, never more */
+static pid_t pool_pid;
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static unsigned pool_gen_at_start[MAX_THREADS]; /* the generation a helper was made in: it waits for the next */
+
+static void *helper(void *p) {
+    const int part = (int)(intptr_t)p;
+    unsigned seen = pool_gen_at_start[part];
+    for (;;) {
+        const long t0 = now_ns();
+        int spins = 0;
+        while (atomic_load_explicit(&pool_gen, memory_order_acquire) == seen) {
+            if ((++spins & 63) == 0 && now_ns() - t0 > SPIN_NS) {
+                pthread_mutex_lock(&pool_mu);
+                while (atomic_load(&pool_gen) == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+                pthread_mutex_unlock(&pool_mu);
+                break;
+            }
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        }
+        seen = atomic_load(&pool_gen);
+        if (part < pool_parts) pool_fn(pool_arg, part, pool_parts);
+        atomic_fetch_sub_explicit(&pool_pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static int pool_start(int helpers) { /* at least this many helpers in this process; 0 when they run */
+    if (pool_pid != getpid()) pool_started = 0; /* a forked child has none of its parent's threads */
+    pool_pid = getpid();
+    while (pool_started < helpers) {
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        pool_gen_at_start[pool_started + 1] = atomic_load(&pool_gen);
+        const int rc = pthread_create(&t, &at, helper, (void *)(intptr_t)(pool_started + 1));
+        pthread_attr_destroy(&at);
+        if (rc != 0) return 1;
+        pool_started++;
+    }
+    return 0;
+}
+
+/* fn(arg, part, parts) for every part < parts, part 0 on the caller; parts 1 runs it inline. */
+static void pool_run(task_fn fn, void *arg, int parts) {
+    if (parts > MAX_THREADS) parts = MAX_THREADS; /* the helpers are parts 1 .. MAX_THREADS - 1 */
+    if (parts <= 1 || atomic_flag_test_and_set(&pool_busy)) {
+        for (int i = 0; i < (parts < 1 ? 1 : parts); i++) fn(arg, i, parts < 1 ? 1 : parts);
+        return;
+    }
+    if (pool_start(parts - 1) != 0) {
+        for (int i = 0; i < parts; i++) fn(arg, i, parts);
+        atomic_flag_clear(&pool_busy);
+        return;
+    }
+    pool_fn = fn;
+    pool_arg = arg;
+    pool_parts = parts;
+    atomic_store(&pool_pending, pool_started);
+    pthread_mutex_lock(&pool_mu);
+    atomic_fetch_add_explicit(&pool_gen, 1, memory_order_release);
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+    fn(arg, 0, parts);
+    while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
+    atomic_flag_clear(&pool_busy);
+}
+
+typedef struct {
+    const void *W, *x;
+    float *y;
+    int N, K, bf16;
+} gemv_job;
+
+static void gemv_part(void *p, int part, int parts) { /* rows in 16-row groups, split as evenly as groups allow */
+    const gemv_job *j = (const gemv_job *)p;
+    const int groups = (j->N + 15) / 16, lo = groups * part / parts * 16, hi0 = groups * (part + 1) / parts * 16;
+    const int hi = hi0 < j->N ? hi0 : j->N;
+    if (hi <= lo) return;
+    const int64_t esz = j->bf16 ? 2 : 4;
+    gemv((const char *)j->W + (int64_t)lo * j->K * esz, j->x, j->y + lo, hi - lo, j->K, j->bf16);
+}
+
+static void gemv_threads(const void *W, const void *x, float *y, int N, int K, int bf16, int threads) {
+    gemv_job j = {W, x, y, N, K, bf16};
+    pool_run(gemv_part, &j, threads);
+}
+
+typedef struct {
+    const void *q, *kc, *vc;
+    const int32_t *table;
+    int64_t n, bs;
+    int hq, hkv, d, kv_bf16, q_bf16;
+    float scale, *s, *o, *m, *l; /* o [parts, Hq, D], m and l [parts, Hq] */
+} attend_job;
+
+#if defined(__AVX512F__)
+static void attend_part(void *p, int part, int parts) { /* the row's blocks split in parts */
+    const attend_job *j = (const attend_job *)p;
+    const int64_t nblk = (j->n + j->bs - 1) / j->bs, lo = nblk * part / parts, hi = nblk * (part + 1) / parts;
+    const int64_t hd = (int64_t)j->hq * j->d;
+    range_any(j->q, j->kc, j->vc, j->table, j->n, j->bs, j->hq, j->hkv, j->d, j->scale, j->kv_bf16, j->q_bf16, j->s,
+              lo, hi, j->o + part * hd, j->m + part * j->hq, j->l + part * j->hq);
+}
+#endif
+
+#define ATTEND_MIN_BLOCKS 16 /* blocks a thread's share of a row must reach for the row to be split */
+
+/* One decode row's attention with its keys split over up to ``threads`` threads, merged exactly (max, rescaled sums).
+ * work: fp32 scratch of (Hq * n) + threads * Hq * (D + 2). Falls back to modeld_paged_decode where the AVX-512 loop
+ * does not take the shape. */
+static int attend_threads(const void *q, void *out, const void *kc, const void *vc, const int32_t *table, int64_t n,
+                          int64_t bs, int hq, int hkv, int d, float scale, int kv_bf16, int q_bf16, int threads,
+                          float *work) {
+#if defined(__AVX512F__)
+    const int64_t nblk = (n + bs - 1) / bs;
+    int parts = threads;
+    while (parts > 1 && nblk / parts < ATTEND_MIN_BLOCKS) parts--;
+    if (avx512_takes(hq, hkv, d) && parts > 1) {
+        const int64_t hd = (int64_t)hq * d;
+        float *o = work + (int64_t)hq * n, *m = o + parts * hd, *l = m + (int64_t)parts * hq;
+        attend_job j = {q, kc, vc, table, n, bs, hq, hkv, d, kv_bf16, q_bf16, scale, work, o, m, l};
+        pool_run(attend_part, &j, parts);
+        for (int r = 0; r < hq; r++) {
+            float mx = -FLT_MAX, sum = 0.f;
+            for (int p = 0; p < parts; p++) mx = m[p * hq + r] > mx ? m[p * hq + r] : mx;
+            float f[MAX_THREADS];
+            for (int p = 0; p < parts; p++) {
+                f[p] = expf(m[p * hq + r] - mx);
+                sum += l[p * hq + r] * f[p];
+            }
+            for (int i = 0; i < d; i++) {
+                float acc = 0.f;
+                for (int p = 0; p < parts; p++) acc += o[p * hd + (int64_t)r * d + i] * f[p];
+                store1(out, (int64_t)r * d + i, acc * (1.f / sum), q_bf16);
+            }
+        }
+        return 0;
+    }
+#endif
+    (void)threads;
+    (void)work;
+    return modeld_paged_decode(q, out, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16);
+}
+
+/* Exported for the self-check: y = W x as the layers' linears compute it (portable: the portable loop; threads as
+ * modeld_decode_layers). */
+void modeld_gemv(const void *W, const void *x, float *y, int N, int K, int bf16, int portable, int threads) {
+    if (portable) gemv_portable(W, x, y, N, K, bf16);
+    else gemv_threads(W, x, y, N, K, bf16, threads);
+}
+
+/* out[i] (compute dtype) = round(round(x[i] * rsqrt(mean(x^2) + eps)) * w[i]), as model.rms_norm */
+static void rms_norm_row(const float *x, const void *w, void *out, int dim, float eps, int bf16) {
+    float ss = 0.f;
+    for (int i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float r = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int i = 0; i < dim; i++) store1(out, i, rnd(x[i] * r, bf16) * load1(w, i, bf16), bf16);
+}
+
+enum { L_ATTN_NORM, L_FFN_NORM, L_WQKV, L_WO, L_W13, L_W2, L_KC, L_VC, L_PTRS };
+
+/* Every layer of one decode row. x [dim] fp32 in and out (values rounded to the compute dtype); ptrs: L_PTRS per
+ * layer (norm weights and plain linear weights in the compute dtype, bf16 or fp32; each layer's K and V cache);
+ * cos, ssin [D] fp32 (model.rope_rows of the position); slot: the token's flat slot in the caches; table, n, bs as
+ * modeld_paged_decode; threads: the linears' rows split over this many threads (the pool's helpers; 1: this one).
+ * Returns 0 done, 1 a shape it does not take, 2 out of memory. */
+int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float *cos, const float *ssin, int64_t slot,
+                         const int32_t *table, int64_t n, int64_t bs, int dim, int hq, int hkv, int d, int inter,
+                         float eps, float scale, int bf16, int kv_bf16, int threads) {
+    if (n_layers < 1 || dim < 1 || inter < 1 || d < 2 || d % 2 || d > 1024 || hkv < 1 || hq % hkv ||
+        (int64_t)hq * d > MAX_HD)
+        return 1;
+    const int nqkv = (hq + 2 * hkv) * d, esz = bf16 ? 2 : 4;
+    const int64_t need = (int64_t)dim * 2 + nqkv + 2 * (int64_t)inter + (int64_t)hq * d;
+    static __thread float *buf = NULL; /* fp32 scratch: h, y, qkv, gate|up */
+    static __thread void *act = NULL;  /* one compute-dtype row, the linears' input */
+    static __thread int64_t cap = 0;
+    static __thread float *work = NULL; /* the attention's scratch (attend_threads) */
+    static __thread int64_t work_cap = 0;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    const int64_t work_need = (int64_t)hq * n + (int64_t)threads * hq * (d + 2);
+    if (work_need > work_cap) {
+        float *p = (float *)realloc(work, sizeof(float) * (size_t)work_need);
+        if (p == NULL) return 2;
+        work = p;
+        work_cap = work_need;
+    }
+    if (need > cap) {
+        float *p = (float *)realloc(buf, sizeof(float) * (size_t)need);
+        if (p == NULL) return 2;
+        buf = p;
+        void *a = realloc(act, sizeof(float) * (size_t)need);
+        if (a == NULL) return 2;
+        act = a;
+        cap = need;
+    }
+    float *h = buf, *y = h + dim, *qkv = y + dim, *gu = qkv + nqkv;
+    for (int l = 0; l < n_layers; l++) {
+        void *const *P = ptrs + (int64_t)l * L_PTRS;
+        rms_norm_row(x, P[L_ATTN_NORM], act, dim, eps, bf16);
+        gemv_threads(P[L_WQKV], act, qkv, nqkv, dim, bf16, threads);
+        for (int i = 0; i < nqkv; i++) qkv[i] = rnd(qkv[i], bf16);
+        for (int r = 0; r < hq + hkv; r++) { /* model.rope_rotate: x * cos + roll(x, D/2) * ssin, q and k heads */
+            float *v = qkv + (int64_t)r * d, t[1024];
+            for (int i = 0; i < d; i++) t[i] = v[i];
+            for (int i = 0; i < d; i++) v[i] = rnd(t[i] * cos[i] + t[(i + d / 2) % d] * ssin[i], bf16);
+        }
+        char *kc = (char *)P[L_KC], *vc = (char *)P[L_VC];
+        for (int i = 0; i < hkv * d; i++) { /* PagedKVCache.write of the row's k and v */
+            store1(kc, slot * hkv * d + i, qkv[(int64_t)hq * d + i], kv_bf16);
+            store1(vc, slot * hkv * d + i, qkv[(int64_t)(hq + hkv) * d + i], kv_bf16);
+        }
+        for (int i = 0; i < hq * d; i++) store1(act, i, qkv[i], bf16); /* q in the compute dtype */
+        void *o = (char *)act + (int64_t)hq * d * esz;
+        int rc = attend_threads(act, o, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, bf16, threads, work);
+        if (rc) return rc;
+        gemv_threads(P[L_WO], o, y, dim, hq * d, bf16, threads);
+        for (int i = 0; i < dim; i++) h[i] = rnd(x[i] + rnd(y[i], bf16), bf16);
+        rms_norm_row(h, P[L_FFN_NORM], act, dim, eps, bf16);
+        gemv_threads(P[L_W13], act, gu, 2 * inter, dim, bf16, threads);
+        for (int i = 0; i < inter; i++) { /* F.silu(gate) * up, each rounded as torch rounds it */
+            const float g = rnd(gu[i], bf16), u = rnd(gu[inter + i], bf16);
+            store1(act, i, rnd(g / (1.f + expf(-g)), bf16) * u, bf16);
+        }
+        gemv_threads(P[L_W2], act, y, dim, inter, bf16, threads);
+        for (int i = 0; i < dim; i++) x[i] = rnd(h[i] + rnd(y[i], bf16), bf16);
+    }
     return 0;
 }

@@ -34,9 +34,10 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread")
 # the self-check's bound on |kernel - reference| against the reference's own scale (fp32 math both; bf16 rounds the
-# output once): wider than either rounding, far narrower than a wrong head, mask or scale
+# output once): wider than either rounding, far narrower than a wrong head, mask or scale. The row linear (gemv) is
+# checked against F.linear in fp64 on the same bf16/fp32 inputs: fp32 sums in another order, so the same bounds.
 CHECK_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 _lock = threading.Lock()
@@ -158,13 +159,20 @@ def _load(cache_dir: str | None) -> dict[str, Any]:
         ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.modeld_paged_decode.restype = ctypes.c_int
     lib.modeld_paged_decode_isa.restype = ctypes.c_int
+    lib.modeld_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.modeld_gemv.restype = None
+    lib.modeld_decode_layers.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * 5 + [
+        ctypes.c_float] * 2 + [ctypes.c_int] * 3
+    lib.modeld_decode_layers.restype = ctypes.c_int
     _lib = lib
     try:
         check = self_check()
+        check.update(gemv_check())
     except Exception as e:        # a kernel that disagrees with the reference never serves
         _lib = None
         return {"loaded": False, "reason": f"the built kernel failed its check against the reference: {e}"}
-    return {"loaded": True, "reason": "built and checked against reference.paged_decode", "isa":
+    return {"loaded": True, "reason": "built and checked against reference.paged_decode and F.linear", "isa":
             "avx512" if lib.modeld_paged_decode_isa() else "portable", "compiler": version.splitlines()[0][:120],
             "library": str(lib_path), "built_s": round(built_s, 2), "check": check}
 
@@ -196,3 +204,60 @@ def self_check() -> dict[str, float]:
             name = str(dtype).replace("torch.", "")
             worst[name] = round(max(worst.get(name, 0.0), err), 8)
     return worst
+
+
+def gemv(w: Tensor, x: Tensor, portable: bool = False, threads: int = 1) -> Tensor:
+    """y [N] fp32 = w [N, K] @ x [K] as the layer step's linears compute it (fp32 sums; w and x one dtype, bf16 or
+    fp32, contiguous). ``portable``: the portable loop, whatever the build targets; ``threads``: the rows split over
+    the kernel's helper threads."""
+    if _lib is None:
+        raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
+    if w.dim() != 2 or x.shape != (w.shape[1],) or w.dtype != x.dtype or w.dtype not in (torch.float32,
+                                                                                       torch.bfloat16):
+        raise ValueError(f"gemv takes w [N, K] and x [K] of one dtype (fp32/bf16), got {tuple(w.shape)} "
+                         f"{w.dtype} and {tuple(x.shape)} {x.dtype}")
+    w, x = w.contiguous(), x.contiguous()
+    y = torch.empty(w.shape[0], dtype=torch.float32)
+    _lib.modeld_gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), w.shape[0], w.shape[1],
+                     int(w.dtype == torch.bfloat16), int(portable), threads)
+    return y
+
+
+def gemv_check() -> dict[str, float]:
+    """The loaded row linear against F.linear in fp64 on seeded inputs: row counts off and on its 16-row groups, K
+    off and on its 16/32-element steps, both dtypes, the build's loop (on one thread and two) and the portable one.
+    Raises AssertionError
+    naming the case past CHECK_TOL; returns the largest relative error per dtype (keys ``gemv_<dtype>``)."""
+    g = torch.Generator().manual_seed(1)
+    worst: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k in ((48, 64), (37, 40), (16, 576), (5, 19)):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(k, generator=g).to(dtype)
+            want = w.double() @ x.double()
+            for portable, threads in ((False, 1), (True, 1), (False, 2)):
+                got = gemv(w, x, portable, threads).double()
+                err = float((got - want).abs().max() / want.abs().max())
+                if not err <= CHECK_TOL[dtype]:
+                    raise AssertionError(f"gemv {dtype} N={n} K={k} portable={portable} threads={threads}: relative "
+                                         f"error {err:.3g} over {CHECK_TOL[dtype]}")
+                name = "gemv_" + str(dtype).replace("torch.", "")
+                worst[name] = round(max(worst.get(name, 0.0), err), 8)
+    return worst
+
+
+def decode_layers(x: Tensor, ptrs: Any, n_layers: int, cos: Tensor, ssin: Tensor, slot: int, table: Tensor, n: int,
+                  bs: int, dims: tuple[int, int, int, int, int], eps: float, scale: float, bf16: bool,
+                  kv_bf16: bool, threads: int = 1) -> None:
+    """Every layer of one decode row, in place on x [dim] fp32 (cpu.c's modeld_decode_layers). ptrs: a ctypes
+    array of L_PTRS (8) pointers a layer; cos, ssin [D] fp32 contiguous; table int32 contiguous covering n;
+    dims (dim, Hq, Hkv, D, intermediate); threads: the linears' rows split over that many threads. The caller (decode_step.KernelDecode) keeps every pointed tensor alive."""
+    if _lib is None:
+        raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
+    dim, hq, hkv, d, inter = dims
+    rc = _lib.modeld_decode_layers(x.data_ptr(), ptrs, n_layers, cos.data_ptr(), ssin.data_ptr(), slot,
+                                   table.data_ptr(), n, bs, dim, hq, hkv, d, inter, eps, scale, int(bf16),
+                                   int(kv_bf16), threads)
+    if rc != 0:
+        raise RuntimeError(f"modeld_decode_layers returned {rc} (1: a shape it does not take, 2: out of memory) "
+                           f"for dim={dim}, Hq={hq}, Hkv={hkv}, D={d}, intermediate={inter}, n={n}")
