@@ -264,7 +264,9 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
 }
 
-#define GEMV_PREFETCH_ROWS 16 /* rows ahead the loop asks the memory for (measured: docs/kernels.md) */
+/* bytes ahead of each weight load that the loop asks the memory for, one line per load, interleaved with the loads
+ * (a burst of a group's lines at its start overran the CPU's queue of misses; measured: docs/kernels.md) */
+#define GEMV_PREFETCH_BYTES 2048
 
 /* One row's dot product with x, 16 or 32 elements a step (masked tail). */
 static inline __attribute__((always_inline)) __m512 dot_row(const void *w, const void *x, int K, int bf16) {
@@ -272,9 +274,11 @@ static inline __attribute__((always_inline)) __m512 dot_row(const void *w, const
 #if defined(__AVX512BF16__)
     if (bf16) {
         int k = 0;
-        for (; k + 32 <= K; k += 32)
+        for (; k + 32 <= K; k += 32) {
+            _mm_prefetch((const char *)((const uint16_t *)w + k) + GEMV_PREFETCH_BYTES, _MM_HINT_T0);
             a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const uint16_t *)x + k),
                                  (__m512bh)_mm512_loadu_si512((const uint16_t *)w + k));
+        }
         if (k < K) {
             const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1ull);
             a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)x + k),
@@ -284,7 +288,10 @@ static inline __attribute__((always_inline)) __m512 dot_row(const void *w, const
     }
 #endif
     int k = 0;
-    for (; k + 16 <= K; k += 16) a = _mm512_fmadd_ps(load16(w, k, bf16), load16(x, k, bf16), a);
+    for (; k + 16 <= K; k += 16) {
+        _mm_prefetch((const char *)w + (int64_t)k * (bf16 ? 2 : 4) + GEMV_PREFETCH_BYTES, _MM_HINT_T0);
+        a = _mm512_fmadd_ps(load16(w, k, bf16), load16(x, k, bf16), a);
+    }
     if (k < K) {
         const __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
         __m512 wv, xv;
@@ -308,8 +315,6 @@ static void gemv_avx512(const void *W, const void *x, float *y, int N, int K, in
     for (; o + 16 <= N; o += 16) {
         __m512 acc[16];
         const char *w0 = (const char *)W + (int64_t)o * row;
-        if (o + 16 + GEMV_PREFETCH_ROWS <= N) /* the rows GEMV_PREFETCH_ROWS ahead, while these are summed */
-            for (int64_t i = 0; i < 16 * row; i += 64) _mm_prefetch(w0 + GEMV_PREFETCH_ROWS * row + i, _MM_HINT_T0);
         for (int r = 0; r < 16; r++) acc[r] = dot_row(w0 + r * row, x, K, bf16);
         _mm512_storeu_ps(y + o, hsum16(acc));
     }
