@@ -212,16 +212,20 @@ def _layer_step_may_serve(settings: EngineSettings | None, cache_dir: str | None
     return bool(cpu_kernels.load(cache_dir)["loaded"])
 
 
+MEASURED_LAYERS = 8            # keep_plain_for_kernels' layers: 56 MiB of SmolLM2's bf16 weights, past a 32 MiB L3
+
+
 def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_dir: str | None,
                            reps: int = 9) -> str | None:
     """Why the dense layer weights stay plain instead of oneDNN-packed, or None to pack them. The recomputing decode
     step's whole-layer C kernel (decode_step.KernelDecode) multiplies a row by plain [out, in] weights, which oneDNN's
     blocked copy is not. Kept plain where MODELD_CPU_KERNELS allows the kernels (auto: where they load), the decoded
     K/V may be recomputed (MODELD_DECODED_KV not exact), the weights are dense fp32/bf16 without bias, and (auto)
-    the kernel's row linear multiplies one row by layer 0's four weights faster than oneDNN's packed call does, each
-    at the process's thread count, medians of ``reps`` alternated calls. What plain weights cost elsewhere: a prefill
-    chunk's linears reorder them inside each call, measured at 2-3 % of a 512-row chunk; a decode batch of several
-    sessions more (docs/kernels.md, "The whole-layer decode step")."""
+    the kernel's row linear multiplies one row by the first MEASURED_LAYERS layers' linears faster than oneDNN's
+    packed call does (on a transient packed copy of those), each at the process's thread count, medians of ``reps``
+    calls (the first dropped). What plain weights cost elsewhere: a prefill chunk's linears reorder them inside each
+    call (12 % of the linears of a 512-row chunk on the EPYC), and the exact step and a batch of sessions more
+    (docs/kernels.md, "The whole-layer decode step")."""
     from . import decode_step
     from .kernels.paged_decode import cpu as cpu_kernels
     from .model import _mm, can_pack
@@ -231,8 +235,9 @@ def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_d
     dtype = model.compute_dtype
     if dtype not in (torch.float32, torch.bfloat16) or not can_pack(dtype):
         return None
-    layer = model.layers[0]
-    lins = [layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2]
+    # the first layers' linears, more bytes than a CPU cache holds (a step reads each weight from memory once)
+    lins = [m for layer in model.layers[:MEASURED_LAYERS] for m in (layer.attention.wqkv, layer.attention.wo,
+                                                                     layer.feed_forward.w13, layer.feed_forward.w2)]
     if decode_step.layers_eligible_weights(model) is not None:
         return None
     build = cpu_kernels.load(cache_dir)
@@ -243,27 +248,38 @@ def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_d
     if settings.cpu_kernels == "on":
         return "kept plain for the CPU kernels' whole-layer decode step (MODELD_CPU_KERNELS=on)"
     threads = torch.get_num_threads()
-    with torch.inference_mode():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 2) for m in lins]
-        xs = [torch.randn(1, m.weight.shape[1], generator=torch.Generator().manual_seed(i)).to(dtype)
-              for i, m in enumerate(lins)]
-        times: dict[str, list[float]] = {"kernel": [], "oneDNN": []}
+    times: dict[str, list[float]] = {"kernel": [], "oneDNN": []}
+
+    def timed(name: str, call: Any) -> None:
         for _ in range(reps):
             t0 = time.perf_counter()
-            for m, x in zip(lins, xs, strict=True):
-                cpu_kernels.gemv(m.weight, x.view(-1), threads=threads)
-            times["kernel"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for w, x in zip(packed, xs, strict=True):
-                _mm(x, w, None, True)
-            times["oneDNN"].append(time.perf_counter() - t0)
-        del packed
+            call()
+            times[name].append(time.perf_counter() - t0)
+
+    with torch.inference_mode():
+        xs = [torch.randn(1, m.weight.shape[1], generator=torch.Generator().manual_seed(i)).to(dtype)
+              for i, m in enumerate(lins)]
+        # Each in a block of its own, not alternated: torch's OpenMP workers spin for a while after each of its
+        # parallel calls, and beside them the kernel's helper waits for a core (a step serves torch at one thread,
+        # its calls milliseconds apart). The kernel's block first, after a pause that lets them sleep.
+        time.sleep(0.02)
+        was = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            timed("kernel", lambda: [cpu_kernels.gemv(m.weight, x.view(-1), threads=threads)
+                                     for m, x in zip(lins, xs, strict=True)])
+        finally:
+            torch.set_num_threads(was)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 2) for m in lins]
+        timed("oneDNN", lambda: [_mm(x, w, None, True) for w, x in zip(packed, xs, strict=True)])
+        packed.clear()                                  # the transient copy, freed before the identity
     ms = {k: round(statistics.median(v[1:]) * 1e3, 3) for k, v in times.items()}
     model.plain_linear_ms = ms
     if ms["kernel"] >= ms["oneDNN"]:
         return None
-    return (f"kept plain for the CPU kernels' whole-layer decode step: a row by layer 0's linears took "
-            f"{ms['kernel']} ms in its row linear, {ms['oneDNN']} ms in oneDNN's packed call ({threads} threads)")
+    return (f"kept plain for the CPU kernels' whole-layer decode step: a row by {len(lins) // 4} layers' linears "
+            f"took {ms['kernel']} ms in its row linear, {ms['oneDNN']} ms in oneDNN's packed call ({threads} "
+            f"threads)")
 
 
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
