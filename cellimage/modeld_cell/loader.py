@@ -216,14 +216,15 @@ MEASURED_LAYERS = 8            # keep_plain_for_kernels' layers: 56 MiB of SmolL
 
 
 def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_dir: str | None,
-                           reps: int = 9) -> str | None:
+                           reps: int = 9, decode_threads: int | None = None) -> str | None:
     """Why the dense layer weights stay plain instead of oneDNN-packed, or None to pack them. The recomputing decode
     step's whole-layer C kernel (decode_step.KernelDecode) multiplies a row by plain [out, in] weights, which oneDNN's
     blocked copy is not. Kept plain where MODELD_CPU_KERNELS allows the kernels (auto: where they load), the decoded
     K/V may be recomputed (MODELD_DECODED_KV not exact), the weights are dense fp32/bf16 without bias, and (auto)
     the kernel's row linear multiplies one row by the first MEASURED_LAYERS layers' linears faster than oneDNN's
-    packed call does (on a transient packed copy of those), each at the process's thread count, medians of ``reps``
-    calls (the first dropped). What plain weights cost elsewhere: a prefill chunk's linears reorder them inside each
+    packed call does (on a transient packed copy of those), each as it would serve a one-session step: the kernel at
+    the process's thread count, oneDNN at ``decode_threads`` (the count an earlier start's step took, kept with the
+    weights' measurement; None: the process count); medians of ``reps`` calls (the first dropped). What plain weights cost elsewhere: a prefill chunk's linears reorder them inside each
     call (12 % of the linears of a 512-row chunk on the EPYC), and the exact step and a batch of sessions more
     (docs/kernels.md, "The whole-layer decode step")."""
     from . import decode_step
@@ -271,15 +272,19 @@ def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_d
         finally:
             torch.set_num_threads(was)
         packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 2) for m in lins]
-        timed("oneDNN", lambda: [_mm(x, w, None, True) for w, x in zip(packed, xs, strict=True)])
+        torch.set_num_threads(decode_threads or was)
+        try:
+            timed("oneDNN", lambda: [_mm(x, w, None, True) for w, x in zip(packed, xs, strict=True)])
+        finally:
+            torch.set_num_threads(was)
         packed.clear()                                  # the transient copy, freed before the identity
     ms = {k: round(statistics.median(v[1:]) * 1e3, 3) for k, v in times.items()}
     model.plain_linear_ms = ms
     if ms["kernel"] >= ms["oneDNN"]:
         return None
     return (f"kept plain for the CPU kernels' whole-layer decode step: a row by {len(lins) // 4} layers' linears "
-            f"took {ms['kernel']} ms in its row linear, {ms['oneDNN']} ms in oneDNN's packed call ({threads} "
-            f"threads)")
+            f"took {ms['kernel']} ms in its row linear ({threads} threads), {ms['oneDNN']} ms in oneDNN's packed "
+            f"call ({decode_threads or was} threads, as a one-session torch step decodes)")
 
 
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,
@@ -475,7 +480,8 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
 
     ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers, settings, quality_cache)
     if rk is None and settings.pack_weights and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu":
-        plain = keep_plain_for_kernels(model, settings, quality_cache)
+        plain = keep_plain_for_kernels(model, settings, quality_cache, decode_threads=settings.decode_threads or (
+            cfg.weights_choice or {}).get("decode_threads"))
         if plain is None:
             pack_and_probe(model)    # before the identity: what the layout computes is part of every K/V bit
         else:

@@ -417,9 +417,10 @@ def test_the_loader_keeps_dense_weights_plain_only_for_a_faster_layer_step(monke
     assert m.plain_linear_ms["kernel"] > m.plain_linear_ms["oneDNN"]
     monkeypatch.setattr(cpu_attention, "gemv", real_gemv)
     monkeypatch.setattr(M, "_mm", slow(real_mm))
-    why = loader.keep_plain_for_kernels(m, EngineSettings(), None, reps=3)
+    why = loader.keep_plain_for_kernels(m, EngineSettings(), None, reps=3, decode_threads=1)
     assert why is not None and why.startswith("kept plain for the CPU kernels' whole-layer decode step: a row by "
                                               "2 layers' linears took")
+    assert why.endswith("in oneDNN's packed call (1 threads, as a one-session torch step decodes)")
     monkeypatch.setattr(cpu_attention, "load", lambda cache_dir: {"loaded": False, "reason": "no C compiler on PATH"})
     assert loader.keep_plain_for_kernels(m, EngineSettings(), None) is None
     with pytest.raises(errors.Fatal, match="MODELD_CPU_KERNELS=on, but no C compiler on PATH"):
