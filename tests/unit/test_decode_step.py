@@ -45,6 +45,17 @@ def _runner(m: M.Transformer, kv_fmt: str = "fp32") -> TorchRunner:
     return TorchRunner(m, kv)
 
 
+def _two_sessions(r: TorchRunner) -> tuple[list[int], list[int], int]:
+    """The same CONTEXT tokens prefilled into a scattered block table (a, ids in reverse) and a consecutive one (b),
+    room for 4 more; returns a, b and the last token."""
+    nblk = r.kv.blocks_for(CONTEXT + 4)
+    a, b = r.kv.allocate(nblk)[::-1], r.kv.allocate(nblk)
+    toks = [(i * 31 + 7) % r.model.args.vocab_size for i in range(CONTEXT)]
+    r.prefill(toks, 0, a)
+    r.prefill(toks, 0, b)
+    return a, b, toks[-1]
+
+
 def _kv_of(r: TorchRunner, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return r.kv.k[:, blocks].clone(), r.kv.v[:, blocks].clone()
 
@@ -189,13 +200,8 @@ def test_the_recomputing_step_computes_the_eager_function_within_rounding(kind: 
     m = _model(kind, dtype)
     r = _runner(m, "bf16" if dtype == torch.bfloat16 else "fp32")
     fast = DS.ScriptedDecode(m, r.kv, exact=False, kernel=kernel)
-    nblk = r.kv.blocks_for(CONTEXT + 4)
-    a, b = r.kv.allocate(nblk)[::-1], r.kv.allocate(nblk)
-    toks = [(i * 31 + 7) % m.args.vocab_size for i in range(CONTEXT)]
-    r.prefill(toks, 0, a)
-    r.prefill(toks, 0, b)
+    a, b, tok = _two_sessions(r)
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
-    tok = toks[-1]
     for i in range(3):
         pos = CONTEXT + i
         eager = r.decode([tok], [pos], [b])
@@ -346,13 +352,8 @@ def test_the_layer_step_computes_the_recomputing_steps_function(dtype: torch.dty
     assert DS.layers_eligible(m, r.kv) is None
     ref = DS.ScriptedDecode(m, r.kv, exact=False, kernel=True)
     step = DS.KernelDecode(m, r.kv, threads)
-    nblk = r.kv.blocks_for(CONTEXT + 4)
-    a, b = r.kv.allocate(nblk)[::-1], r.kv.allocate(nblk)
-    toks = [(i * 31 + 7) % m.args.vocab_size for i in range(CONTEXT)]
-    r.prefill(toks, 0, a)
-    r.prefill(toks, 0, b)
+    a, b, tok = _two_sessions(r)
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
-    tok = toks[-1]
     for i in range(3):
         pos = CONTEXT + i
         want = ref(tok, pos, b)

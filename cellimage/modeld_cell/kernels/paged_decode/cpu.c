@@ -51,16 +51,17 @@ static inline void store1(void *p, int64_t i, float v, int bf16) {
     else ((float *)p)[i] = v;
 }
 
-/* softmax numerators in place over s[0..n), returns 1 / their sum */
-static float exp_rows(float *s, int64_t n) {
-    float m = -FLT_MAX, a = 0.f;
-    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+/* softmax numerators in place over s[0..n): their max in *m, their sum returned */
+static float exp_range(float *s, int64_t n, float *m) {
+    float mx = -FLT_MAX, a = 0.f;
+    for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
     for (int64_t t = 0; t < n; t++) {
-        float e = expf(s[t] - m);
+        float e = expf(s[t] - mx);
         s[t] = e;
         a += e;
     }
-    return 1.f / a;
+    *m = mx;
+    return a;
 }
 
 /* Portable C for any head shape (the compiler vectorizes what it can). s: [Hq, n] scratch. */
@@ -82,7 +83,10 @@ static void row_portable(const void *q, void *out, const void *kc, const void *v
             }
         }
     }
-    for (int r = 0; r < hq; r++) inv[r] = exp_rows(s + (int64_t)r * n, n);
+    for (int r = 0; r < hq; r++) {
+        float mx;
+        inv[r] = 1.f / exp_range(s + (int64_t)r * n, n, &mx);
+    }
     memset(of, 0, sizeof(float) * hq * d);
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t t0 = b * bs, len = n - t0 < bs ? n - t0 : bs, base = (int64_t)table[b] * bs * ts;
@@ -107,19 +111,6 @@ static inline __m512 load16(const void *p, int64_t off, int bf16) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + off))), 16));
     return _mm512_loadu_ps((const float *)p + off);
-}
-
-/* softmax numerators in place over s[0..n): their max in *m, their sum returned */
-static float exp_range(float *s, int64_t n, float *m) {
-    float mx = -FLT_MAX, a = 0.f;
-    for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-    for (int64_t t = 0; t < n; t++) {
-        float e = expf(s[t] - mx);
-        s[t] = e;
-        a += e;
-    }
-    *m = mx;
-    return a;
 }
 
 /* AVX-512, D a multiple of 16 up to 256, G up to MAX_G: the blocks [b_lo, b_hi) of the row's table, one kv head at a
