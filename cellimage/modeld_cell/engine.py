@@ -407,6 +407,17 @@ class Engine:
             if granted > 0 and s.logits is None and s.kv_len == len(s.tokens):
                 s.kv_len -= 1                            # logits unknown: re-run the last token first
             self.blocks.grow(s, len(s.tokens) + granted)       # reserve: a running decode never runs out of blocks
+            if granted > 0 and s.recompute_from is not None and s.recompute_from < s.kv_len:
+                # a decode after a decode whose tokens the recomputing step wrote: those and the pending token get a
+                # prefill's K/V and logits first, so what this request decodes does not depend on how the session's
+                # earlier output was cut into requests, nor on whether the worker was restarted in between
+                t_re = time.perf_counter()
+                try:
+                    trace.tokens_computed += await self.recompute_decoded(s, pending=True)
+                except BaseException:
+                    req.done = True                      # never joined the decode loop: nothing to wait for
+                    raise
+                trace.prefill_ms += round((time.perf_counter() - t_re) * 1e3, 3)
             if granted > 0:                                    # (reserved before this await: ensure_prefix)
                 try:
                     await self.blocks.make_writable(s, s.kv_len)
@@ -439,17 +450,19 @@ class Engine:
 
     # ---- sessions
 
-    async def recompute_decoded(self, s: Session) -> int:
+    async def recompute_decoded(self, s: Session, pending: bool = False) -> int:
         """Give the session's tokens from ``s.recompute_from`` on (the recomputing decode step's) a prefill's K/V
-        and logits, on a session the caller has claimed (a snapshot writes only exact K/V). Returns how many tokens
-        were computed. Interrupted, the session keeps every token, the recomputed prefix exact and the rest as the
-        decode step wrote it."""
+        and logits, on a session the caller has claimed (a snapshot writes only exact K/V). ``pending``: the pending
+        token (sampled, not yet in the cache) too, so the next token comes from a prefill's logits (a decode request
+        after a decode: what it decodes is then what a session restored from those tokens decodes). Returns how many
+        tokens were computed. Interrupted, the session keeps every token, the recomputed prefix exact and the rest
+        as the decode step wrote it."""
         at = s.recompute_from
         if at is None or at >= s.kv_len:
             s.recompute_from = None
             return 0
         tokens, kv_len, logits = list(s.tokens), s.kv_len, s.logits
-        redo = tokens[at:kv_len]
+        redo = tokens[at:] if pending else tokens[at:kv_len]
         s.kv_len, s.logits, s.recompute_from = at, None, None
         try:
             await self.blocks.make_writable(s, at)
@@ -460,8 +473,8 @@ class Engine:
             s.recompute_from = done if done < kv_len else None
             self.blocks.trim(s)
             raise
-        s.tokens = tokens                                # the pending token, if any, stays pending
-        self._counters["decoded_tokens_recomputed_total"] += len(redo)
+        s.tokens = tokens                                # the pending token, if any, stays pending unless computed
+        self._counters["decoded_tokens_recomputed_total"] += kv_len - at
         return len(redo)
 
     def close_session(self, session_id: str) -> None:

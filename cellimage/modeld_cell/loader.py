@@ -224,7 +224,9 @@ def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_d
     the kernel's row linear multiplies one row by the first MEASURED_LAYERS layers' linears faster than oneDNN's
     packed call does (on a transient packed copy of those), each as it would serve a one-session step: the kernel at
     the process's thread count, oneDNN at ``decode_threads`` (the count an earlier start's step took, kept with the
-    weights' measurement; None: the process count); medians of ``reps`` calls (the first dropped). What plain weights cost elsewhere: a prefill chunk's linears reorder them inside each
+    weights' measurement; None: the process count); medians of ``reps`` calls (the first dropped). The verdict is
+    kept under ``<cache_dir>/autotune/plain-<key>.json`` (keyed by the CPU, the thread counts, the shapes and cpu.c)
+    and taken again by a later start: it is part of the cache identity. What plain weights cost elsewhere: a prefill chunk's linears reorder them inside each
     call (12 % of the linears of a 512-row chunk on the EPYC), and the exact step and a batch of sessions more
     (docs/kernels.md, "The whole-layer decode step")."""
     from . import decode_step
@@ -248,7 +250,21 @@ def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_d
         return None
     if settings.cpu_kernels == "on":
         return "kept plain for the CPU kernels' whole-layer decode step (MODELD_CPU_KERNELS=on)"
+    # The verdict is part of the cache identity (plain or packed weights prefill other bits), so a start that
+    # finds it measured here takes it again: measured anew at each start, a noisy one flipped it, and a session
+    # stored by the worker before its restart was refused as another cell's (tests/e2e, kill -9 of a worker).
+    from .profile_gate import hardware, read_measurement, write_measurement
     threads = torch.get_num_threads()
+    key = hashlib.sha256(json.dumps({"v": 1, "hardware": hardware("cpu"), "threads": threads,
+                                     "decode_threads": decode_threads, "dtype": str(dtype),
+                                     "shapes": [list(m.weight.shape) for m in lins],
+                                     "source": hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()},
+                                    sort_keys=True).encode()).hexdigest()[:32]
+    path = os.path.join(cache_dir, "autotune", f"plain-{key}.json") if cache_dir else None
+    rec = read_measurement(path, key, "ms", dict)
+    if rec is not None:
+        model.plain_linear_ms = rec["ms"]
+        return rec["reason"] and rec["reason"] + " (measured at an earlier start here)"
     times: dict[str, list[float]] = {"kernel": [], "oneDNN": []}
 
     def timed(name: str, call: Any) -> None:
@@ -280,11 +296,12 @@ def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_d
         packed.clear()                                  # the transient copy, freed before the identity
     ms = {k: round(statistics.median(v[1:]) * 1e3, 3) for k, v in times.items()}
     model.plain_linear_ms = ms
-    if ms["kernel"] >= ms["oneDNN"]:
-        return None
-    return (f"kept plain for the CPU kernels' whole-layer decode step: a row by {len(lins) // 4} layers' linears "
-            f"took {ms['kernel']} ms in its row linear ({threads} threads), {ms['oneDNN']} ms in oneDNN's packed "
-            f"call ({decode_threads or was} threads, as a one-session torch step decodes)")
+    why = None if ms["kernel"] >= ms["oneDNN"] else (
+        f"kept plain for the CPU kernels' whole-layer decode step: a row by {len(lins) // 4} layers' linears took "
+        f"{ms['kernel']} ms in its row linear ({threads} threads), {ms['oneDNN']} ms in oneDNN's packed call "
+        f"({decode_threads or was} threads, as a one-session torch step decodes)")
+    write_measurement(path, {"key": key, "ms": ms, "reason": why})
+    return why
 
 
 def _load_model(cfg: CellConfig, model_path: str | None, layers: int | None,

@@ -173,7 +173,8 @@ class DecodeScheduler:
             tail, req.emitted = text[req.emitted:], len(text)
         tr = self.e._trace(s, req.t0, completion_tokens=len(req.generated), clamped=req.trace.clamped,
                          first_output_ms=req.trace.first_output_ms,
-                         decode_ms_per_token=req.trace.decode_ms_per_token)
+                         decode_ms_per_token=req.trace.decode_ms_per_token,
+                         tokens_computed=req.trace.tokens_computed, prefill_ms=req.trace.prefill_ms)
         if error is not None:
             error.details.update(partial_output=self.e.tokenizer.decode(req.generated), token_ids=list(req.generated),
                                  completion_tokens=len(req.generated), trace=tr.to_dict())

@@ -111,6 +111,27 @@ async def test_ensure_prefix_and_another_session_reuse_only_the_prefilled_tokens
     await _assert_cold(eng, "b", "b")
 
 
+async def test_a_decode_after_a_decode_continues_as_a_session_restored_from_its_tokens(engine, make_engine):
+    """The second of two decode requests in a row first gives the first one's tokens, and the pending one, a
+    prefill's K/V and logits (counted in its trace and in decoded_tokens_recomputed_total): what it decodes is then
+    what a session prefilled from the same tokens decodes (as a worker restarted from its session store does), bit
+    for bit where this CPU's probe says reuse is bitwise."""
+    eng = _recomputing(make_engine)
+    p = _prompt(eng, 45)
+    await eng.ensure_prefix("a", p)
+    await generate(eng, "a", 8, ignore_eos=True)
+    held = eng.session_tokens("a")                  # 45 + 8, the 8th pending
+    assert eng._sessions["a"].recompute_from == 45 and len(held) == 53
+    before = eng.metrics()["decoded_tokens_recomputed_total"]
+    ids_a, _, last = await generate(eng, "a", 12, ignore_eos=True)
+    assert last.trace.tokens_computed == 8                      # 7 decoded into the cache + the pending one
+    assert eng.metrics()["decoded_tokens_recomputed_total"] - before == 7
+    await eng.ensure_prefix("b", held)
+    ids_b, _, _ = await generate(eng, "b", 12, ignore_eos=True)
+    if eng.reuse_exactness() == "bitwise":
+        assert ids_a == ids_b
+
+
 async def test_a_snapshot_holds_prefill_bits_only(engine, make_engine, tmp_path):
     eng = _recomputing(make_engine)
     p = _prompt(eng, 30)

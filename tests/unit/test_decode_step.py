@@ -389,7 +389,8 @@ def test_the_layer_step_takes_plain_dense_weights_only_and_follows_the_model() -
             step(4, 3, blocks)
 
 
-def test_the_loader_keeps_dense_weights_plain_only_for_a_faster_layer_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loader_keeps_dense_weights_plain_only_for_a_faster_layer_step(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path) -> None:
     """loader.keep_plain_for_kernels: never with the kernels off, exact decoded K/V or quantized weights; untimed
     under MODELD_CPU_KERNELS=on; under auto by which one-row multiply of the first layers' linears was faster, at the test's
     own prices (either side slowed by a sleep)."""
@@ -422,6 +423,15 @@ def test_the_loader_keeps_dense_weights_plain_only_for_a_faster_layer_step(monke
     assert why is not None and why.startswith("kept plain for the CPU kernels' whole-layer decode step: a row by "
                                               "2 layers' linears took")
     assert why.endswith("in oneDNN's packed call (1 threads, as a one-session torch step decodes)")
+    # kept: a later start takes the verdict measured here (it is part of the cache identity), whatever it would
+    # measure now
+    cache = str(tmp_path)
+    first = loader.keep_plain_for_kernels(m, EngineSettings(), cache, reps=3)
+    assert first is not None and first.startswith("kept plain")
+    monkeypatch.setattr(M, "_mm", real_mm)
+    monkeypatch.setattr(cpu_attention, "gemv", slow(slow(real_gemv)))
+    assert loader.keep_plain_for_kernels(m, EngineSettings(), cache, reps=3) == \
+        first + " (measured at an earlier start here)"
     monkeypatch.setattr(cpu_attention, "load", lambda cache_dir: {"loaded": False, "reason": "no C compiler on PATH"})
     assert loader.keep_plain_for_kernels(m, EngineSettings(), None) is None
     with pytest.raises(errors.Fatal, match="MODELD_CPU_KERNELS=on, but no C compiler on PATH"):
