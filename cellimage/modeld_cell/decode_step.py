@@ -273,11 +273,10 @@ class KernelDecode:
 
         self.model, self.kv = model, kv
         self.exact, self.kernel, self.threads = False, True, threads
-        self._held: list[Tensor] = []
-        for i, layer in enumerate(model.layers):
-            self._held += [layer.attention_norm.weight, layer.ffn_norm.weight, layer.attention.wqkv.weight,
-                           layer.attention.wo.weight, layer.feed_forward.w13.weight, layer.feed_forward.w2.weight,
-                           kv.k_layer(i), kv.v_layer(i)]
+        self._pool = (kv.k, kv.v)
+        self._weights = self._weights_now()
+        self._held = [t for i, w in enumerate(self._weights) for t in (
+            *w, kv.k_layer(i), kv.v_layer(i))]                           # cpu.c's L_PTRS a layer, in its order
         self._ptrs = (ctypes.c_void_p * len(self._held))(*[t.data_ptr() for t in self._held])
         a = model.args
         self._dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size)
@@ -286,16 +285,20 @@ class KernelDecode:
                       and out.bias is None and out.weight.dtype == model.compute_dtype and out.weight.is_contiguous())
         self._eps, self._scale = float(a.norm_eps), 1.0 / math.sqrt(a.head_dim)
 
+    def _weights_now(self) -> list[tuple[Tensor, ...]]:
+        """Each layer's norm and linear weights as the modules hold them now."""
+        return [(layer.attention_norm.weight, layer.ffn_norm.weight, layer.attention.wqkv.weight,
+                 layer.attention.wo.weight, layer.feed_forward.w13.weight, layer.feed_forward.w2.weight)
+                for layer in self.model.layers]
+
     def _current(self) -> bool:
-        held = iter(self._held)
-        for i, layer in enumerate(self.model.layers):
-            for t in (layer.attention_norm.weight, layer.ffn_norm.weight, layer.attention.wqkv.weight,
-                      layer.attention.wo.weight, layer.feed_forward.w13.weight, layer.feed_forward.w2.weight,
-                      self.kv.k_layer(i), self.kv.v_layer(i)):
-                h = next(held)
-                if t is not h and (t is None or t.data_ptr() != h.data_ptr()):
-                    return False
-        return True
+        """The weights and the KV pool are the ones whose pointers were taken (the pool's tensors are whole: a
+        layer's view of them is where it was)."""
+        if self.kv.k is not self._pool[0] or self.kv.v is not self._pool[1]:
+            return False
+        return all(t is h or (t is not None and t.data_ptr() == h.data_ptr())
+                   for now, held in zip(self._weights_now(), self._weights, strict=True)
+                   for t, h in zip(now, held, strict=True))
 
     @torch.inference_mode()
     def __call__(self, tok: int, pos: int, table: list[int]) -> Tensor:
@@ -307,11 +310,9 @@ class KernelDecode:
         tab = torch.tensor(table[: kv.blocks_for(n)], dtype=torch.int32)
         positions = torch.tensor([pos], dtype=torch.long)
         x = m.tok_embeddings(torch.tensor([tok], dtype=torch.long)).float().contiguous().view(-1)
-        cos = m.rope_cos[positions].float()
-        sin = m.rope_sin[positions].float()
-        h = sin.shape[-1] // 2
-        ssin = torch.cat([-sin[:, :h], sin[:, h:]], -1).contiguous()
-        cpu_attention.decode_layers(x, self._ptrs, len(m.layers), cos.contiguous(), ssin, table[pos // bs] * bs
+        cos, ssin = (t.float().contiguous().view(-1) for t in M.rope_rows(m.rope_cos[positions],
+                                                                            m.rope_sin[positions]))
+        cpu_attention.decode_layers(x, self._ptrs, len(m.layers), cos, ssin, table[pos // bs] * bs
                                     + pos % bs, tab, n, bs, self._dims, self._eps, self._scale,
                                     m.compute_dtype == torch.bfloat16, kv.k.dtype == torch.bfloat16, self.threads)
         h = x.to(m.compute_dtype).view(1, -1)

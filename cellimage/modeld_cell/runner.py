@@ -480,7 +480,7 @@ class TorchRunner:
         """choose_decoded_kv's kernel half: loads the CPU kernels (kernels/paged_decode/cpu.c) unless ``kernels``
         is "off", and builds the recomputing steps that call them: "kernel", the scripted step with its attention
         by the paged-decode kernel, and "layers", every layer of the row in one C call (decode_step.KernelDecode,
-        where the weights are plain dense ones: loader.pack_and_probe keeps them so where its linears are faster),
+        where the weights are plain dense ones: loader.keep_plain_for_kernels keeps them so where measured faster),
         its linears split over the process's threads. Returns the report's ``attention`` entry and those steps by
         name (none where there are none, and the entry says why)."""
         from . import decode_step
