@@ -168,6 +168,8 @@ class CellConfig:
     weights_kernel: str = "dense"         # how the weights are multiplied: dense | int8 | q4_1 (autotune.Choice)
     weights_choice: dict | None = None    # the CPU's measured choice of kernel and dtype (autotune.Choice.to_dict)
     weights_head: str | None = None       # a quantized kernel's head: int8 | dense (quantize.head_kernel); None: own
+    weights_blocks: bool = False          # the file stores every layer linear in the format's blocks (q4_1): the
+                                          # CPU layer step may read them as such (loader, decode_step.q4_blocks)
     kv: str = "fp32"
     kv_memory_mib: int = DEFAULT_KV_MEMORY_MIB
     context_tier: int = 0                 # tokens per session: the spec's contextTier (a test sibling may shrink it)
@@ -240,5 +242,5 @@ class CellConfig:
         if "weights" not in profile:
             out.weights = self.weights    # the compute dtype the device chose (loader.resolve_device) stays
             out.weights_kernel, out.weights_choice = self.weights_kernel, self.weights_choice   # and the kernel
-            out.weights_head = self.weights_head
+            out.weights_head, out.weights_blocks = self.weights_head, self.weights_blocks
         return out

@@ -227,18 +227,25 @@ class ScriptedDecode:
         return m.logits(x)
 
 
-def layers_eligible_weights(model: Any) -> str | None:
+def layers_eligible_weights(model: Any, blocks: Any = None) -> str | None:
     """The weights half of ``layers_eligible``: None when every layer linear is a plain RowLinear (oneDNN-packed
-    weights are opaque to C) in the compute dtype (fp32 or bf16) with no bias, and the RMSNorm weights are in it too;
-    else why not."""
+    weights are opaque to C) in the compute dtype (fp32 or bf16) with no bias, or ``blocks`` gives each layer's
+    linears as Q4_1 blocks (``q4_blocks``), and the RMSNorm weights are in the compute dtype; else why not."""
     dtype = getattr(model, "compute_dtype", None)
     if not isinstance(model, M.Transformer) or dtype not in (torch.float32, torch.bfloat16):
         return f"the layer step multiplies fp32/bf16 model.Transformer weights, not {type(model).__name__} in {dtype}"
+    if blocks is not None and len(blocks) != len(model.layers):
+        return f"{len(blocks)} layers of Q4_1 blocks for a model of {len(model.layers)}"
     for i, layer in enumerate(model.layers):
         if type(layer) is not M.TransformerBlock:
             return f"layer {i} is not a plain TransformerBlock"
-        for name, mod in (("wqkv", layer.attention.wqkv), ("wo", layer.attention.wo), ("w13", layer.feed_forward.w13),
-                          ("w2", layer.feed_forward.w2)):
+        for j, (name, mod) in enumerate((("wqkv", layer.attention.wqkv), ("wo", layer.attention.wo),
+                                         ("w13", layer.feed_forward.w13), ("w2", layer.feed_forward.w2))):
+            if blocks is not None:
+                qs, d, _ = blocks[i][j]
+                if mod.bias is not None or (qs.shape[0], qs.shape[1] * 2) != (mod.out_features, mod.in_features):
+                    return f"layer {i} {name}: a bias, or Q4_1 blocks of another shape than the linear"
+                continue
             if type(mod) is not M.RowLinear or mod.packed is not None:
                 what = "oneDNN-packed" if type(mod) is M.RowLinear else f"a {type(mod).__name__}"
                 return f"layer {i} {name} is {what}: the layer step multiplies plain dense weights"
@@ -250,11 +257,25 @@ def layers_eligible_weights(model: Any) -> str | None:
     return None
 
 
-def layers_eligible(model: Any, kv: Any) -> str | None:
+def layers_eligible(model: Any, kv: Any, blocks: Any = None) -> str | None:
     """None when ``KernelDecode`` (cpu.c's whole-layer step) can serve this model and cache, else why not: what the
-    scripted step takes (``eligible``) with the attention kernel (``kernel_eligible``), and plain dense weights
-    (``layers_eligible_weights``)."""
-    return eligible(model, kv) or kernel_eligible(model, kv) or layers_eligible_weights(model)
+    scripted step takes (``eligible``) with the attention kernel (``kernel_eligible``), and plain dense weights or
+    Q4_1 blocks of them (``layers_eligible_weights``)."""
+    return eligible(model, kv) or kernel_eligible(model, kv) or layers_eligible_weights(model, blocks)
+
+
+def q4_blocks(model: Any) -> list[list[tuple[Tensor, Tensor, Tensor]]] | None:
+    """Each layer's four linears (wqkv, wo, w13, w2) as the Q4_1 blocks ``KernelDecode`` reads (quantize.q4_1_blocks
+    of the dense weights as loaded), or None where a linear is not a plain dense RowLinear whose input size is a
+    multiple of 32. Only for a model whose file stores those layers in Q4_1 (the loader's call): of other weights
+    the blocks would be another model."""
+    out = []
+    for layer in model.layers:
+        mods = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2)
+        if any(type(m) is not M.RowLinear or m.weight is None or m.in_features % Q.Q4_GROUP for m in mods):
+            return None
+        out.append([Q.q4_1_blocks(m.weight.detach().float()) for m in mods])
+    return out
 
 
 class KernelDecode:
@@ -263,20 +284,28 @@ class KernelDecode:
     that step rounds them, but fp32 sums in another order (the linears are not oneDNN's), so its bits are its own.
     Its tokens' K/V are computed again by the next prefill, as every recomputing step's are. The weight pointers are
     taken at construction and checked at every call against the modules' weights: a model re-packed or re-loaded
-    since raises instead of reading freed memory."""
+    since raises instead of reading freed memory.
 
-    def __init__(self, model: Any, kv: Any, threads: int = 1) -> None:
-        why = layers_eligible(model, kv)
+    ``blocks`` (``q4_blocks``): the layers' linears read as Q4_1 blocks instead of the dense weights, a fifth of fp32's
+    bytes and two fifths of bf16's, for a file that stores them so (the blocks are its own values, the dense weights
+    their dequantized copy). The step holds the blocks; the dense weights may then be oneDNN-packed for prefill."""
+
+    def __init__(self, model: Any, kv: Any, threads: int = 1, blocks: Any = None) -> None:
+        why = layers_eligible(model, kv, blocks)
         if why is not None:
             raise ValueError(why)
         import ctypes
 
         self.model, self.kv = model, kv
         self.exact, self.kernel, self.threads = False, True, threads
+        self.blocks = blocks
         self._pool = (kv.k, kv.v)
         self._weights = self._weights_now()
-        self._held = [t for i, w in enumerate(self._weights) for t in (
-            *w, kv.k_layer(i), kv.v_layer(i))]                           # cpu.c's L_PTRS a layer, in its order
+        if blocks is None:                                                   # cpu.c's L_PTRS a layer, in its order
+            self._held = [t for i, w in enumerate(self._weights) for t in (*w, kv.k_layer(i), kv.v_layer(i))]
+        else:                                                                # cpu.c's Q_PTRS
+            self._held = [t for i, w in enumerate(self._weights) for t in (
+                *w, *(b for lin in blocks[i] for b in lin), kv.k_layer(i), kv.v_layer(i))]
         self._ptrs = (ctypes.c_void_p * len(self._held))(*[t.data_ptr() for t in self._held])
         a = model.args
         self._dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size)
@@ -286,10 +315,10 @@ class KernelDecode:
         self._eps, self._scale = float(a.norm_eps), 1.0 / math.sqrt(a.head_dim)
 
     def _weights_now(self) -> list[tuple[Tensor, ...]]:
-        """Each layer's norm and linear weights as the modules hold them now."""
-        return [(layer.attention_norm.weight, layer.ffn_norm.weight, layer.attention.wqkv.weight,
-                 layer.attention.wo.weight, layer.feed_forward.w13.weight, layer.feed_forward.w2.weight)
-                for layer in self.model.layers]
+        """Each layer's norm and (dense step) linear weights as the modules hold them now."""
+        return [(layer.attention_norm.weight, layer.ffn_norm.weight) + (() if self.blocks is not None else (
+                 layer.attention.wqkv.weight, layer.attention.wo.weight, layer.feed_forward.w13.weight,
+                 layer.feed_forward.w2.weight)) for layer in self.model.layers]
 
     def _current(self) -> bool:
         """The weights and the KV pool are the ones whose pointers were taken (the pool's tensors are whole: a
@@ -314,7 +343,8 @@ class KernelDecode:
                                                                             m.rope_sin[positions]))
         cpu_attention.decode_layers(x, self._ptrs, len(m.layers), cos, ssin, table[pos // bs] * bs
                                     + pos % bs, tab, n, bs, self._dims, self._eps, self._scale,
-                                    m.compute_dtype == torch.bfloat16, kv.k.dtype == torch.bfloat16, self.threads)
+                                    m.compute_dtype == torch.bfloat16, kv.k.dtype == torch.bfloat16, self.threads,
+                                    self.blocks is not None)
         h = x.to(m.compute_dtype).view(1, -1)
         if not self._head:
             return m.logits(h)

@@ -167,6 +167,7 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
                              layer_step=_layer_step_may_serve(settings, cache_dir))
     cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
     cfg.weights_head = head if choice.kernel != "dense" else None
+    cfg.weights_blocks = kernel == "q4_1" and kernel_ok
     return dense, head
 
 
@@ -496,9 +497,18 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
     from . import profile_gate
 
     ckpt, model, digest, source_sha, adapter = _load_model(cfg, model_path, layers, settings, quality_cache)
+    if (rk is None and cfg.weights_blocks and cfg.weights_kernel == "dense" and adapter is None
+            and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu"
+            and _layer_step_may_serve(settings, quality_cache)):
+        # the file's Q4_1 blocks of the layers, for the recomputing decode step to read instead of their dense copy
+        # (runner.choose_decoded_kv times it with the other steps and keeps them only where it serves)
+        from .decode_step import q4_blocks
+        model.decode_blocks = q4_blocks(model)
     if rk is None and settings.pack_weights and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu":
-        plain = keep_plain_for_kernels(model, settings, quality_cache, decode_threads=settings.decode_threads or (
-            cfg.weights_choice or {}).get("decode_threads"))
+        # with Q4_1 blocks for the layer step, its dense weights need not stay plain: they are packed for prefill
+        plain = None if getattr(model, "decode_blocks", None) is not None else keep_plain_for_kernels(
+            model, settings, quality_cache, decode_threads=settings.decode_threads or (
+                cfg.weights_choice or {}).get("decode_threads"))
         if plain is None:
             pack_and_probe(model)    # before the identity: what the layout computes is part of every K/V bit
         else:

@@ -67,6 +67,20 @@ def dequantize_q4_1(q: Tensor, d: Tensor, m: Tensor, group: int = Q4_GROUP) -> T
     return (q.view(n, k // group, group).float() * d[..., None] + m[..., None]).view(n, k)
 
 
+def q4_1_blocks(w: Tensor, group: int = Q4_GROUP) -> tuple[Tensor, Tensor, Tensor]:
+    """The Q4_1 blocks the CPU layer step reads (kernels/paged_decode/cpu.c, ``gemv_q4``): w [N, K] float ->
+    (qs [N, K/2] uint8, a group's 16 bytes holding weight j in the low nibble of byte j and weight j + 16 in its
+    high nibble, as a GGUF Q4_1 block stores them; d, m [N, K/group] fp32). Of a layer the file stores in Q4_1 (its
+    weights as loaded, fp32), these are the file's own blocks up to fp32 rounding of d and m (see the module
+    docstring)."""
+    q, d, m = quantize_q4_1(w, group)
+    n, k = q.shape
+    qg = q.view(n, k // group, group)
+    half = group // 2
+    qs = (qg[..., :half] | (qg[..., half:] << 4)).reshape(n, k // 2).contiguous()
+    return qs, d.contiguous(), m.contiguous()
+
+
 def int8_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """Int8WeightOnlyLinear's multiply (TorchScript-compilable): x [N, K] @ (qweight * scales)^T (+ bias)."""
     y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scales)

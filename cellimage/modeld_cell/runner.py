@@ -472,6 +472,9 @@ class TorchRunner:
                 f"({rep['prefill_ms_per_token']} ms)"))
         else:
             rep["reason"] = why
+        if getattr(self.model, "decode_blocks", None) is not None:
+            # the Q4_1 blocks stay only where their step serves (the loader built them for this choice)
+            self.model.decode_blocks = getattr(self.recompute_step, "blocks", None)
         self.decoded_kv_report = rep
         return rep
 
@@ -502,6 +505,14 @@ class TorchRunner:
                 steps["layers"] = decode_step.KernelDecode(flash.model, flash.kv, torch.get_num_threads())
             else:
                 att["layers"] = layers_why
+            blocks = getattr(flash.model, "decode_blocks", None)
+            if blocks is not None:
+                q4_why = decode_step.layers_eligible(flash.model, flash.kv, blocks)
+                if q4_why is None:
+                    steps["layers-q4"] = decode_step.KernelDecode(flash.model, flash.kv, torch.get_num_threads(),
+                                                                  blocks)
+                else:
+                    att["layers-q4"] = q4_why
             return att, steps
         if kernels == "on":
             raise errors.Fatal(f"MODELD_CPU_KERNELS=on, but {why}")
@@ -516,7 +527,7 @@ class TorchRunner:
         ``reps`` times each way alternately over scratch blocks of seeded random K/V. Records the figures and why
         in ``att``."""
         if kernels == "on":
-            name = "layers" if "layers" in steps else "kernel"
+            name = next(k for k in ("layers-q4", "layers", "kernel") if k in steps)
             att.update(served=name, reason="MODELD_CPU_KERNELS=on")
             return steps[name]
         n = min(self.ATTENTION_CONTEXT, self.model.args.max_seq_len - 1)

@@ -207,3 +207,33 @@ async def test_the_whole_layer_step_serves_a_cell_whose_loader_kept_the_weights_
         await _assert_cold(eng, "a", "after-suffix")
     finally:
         eng.shutdown()
+
+
+@pytest.mark.skipif(KERNELS == "off", reason="no C compiler on PATH: the CPU kernels are off")
+async def test_the_q4_layer_step_serves_a_q4_1_cell_computed_dense(smollm2_path):
+    """profile.weights q4_1 computed by the dense fp32 path (MODELD_WEIGHTS_PATH=dense-fp32), with the kernels on:
+    the loader gives the layer step the file's Q4_1 blocks (decode_step.q4_blocks), so the dense weights are
+    oneDNN-packed for prefill instead of kept plain, and the one-session step reads the blocks. Its decoded tokens
+    are recomputed with the append, and the continuation is held to a cold prefill and to the one-pass reference."""
+    from modeld_cell import decode_step as DS
+
+    spec = {**SPEC, "profile": {**SPEC["profile"], "weights": "q4_1"}}
+    settings = dataclasses.replace(EngineSettings.from_env(), threads=torch.get_num_threads(),
+                                   decoded_kv="recompute", cpu_kernels="on", weights_path="dense-fp32")
+    eng = Engine.from_cell(spec, model_path=smollm2_path, settings=settings)
+    try:
+        rt = eng.capability()["runtime"]
+        assert (rt["weights_kernel"], rt["weights_dtype"]) == ("dense", "fp32")
+        assert rt["weights_pack_refused"] is None or "kept plain" not in rt["weights_pack_refused"]
+        step = eng.runner.recompute_step
+        assert isinstance(step, DS.KernelDecode) and step.blocks is not None
+        assert step.blocks is eng.model.decode_blocks and rt["decoded_kv"]["attention"]["served"] == "layers-q4"
+        p = _prompt(eng, 45)
+        await eng.ensure_prefix("a", p)
+        ids, _, _ = await generate(eng, "a", 12, ignore_eos=True)
+        assert len(ids) == 12 and eng._sessions["a"].recompute_from == 45
+        tr = await eng.prefill_suffix("a", _prompt(eng, 50)[45:])
+        assert tr.tokens_computed == 12 + 5
+        await _assert_cold(eng, "a", "after-suffix")
+    finally:
+        eng.shutdown()

@@ -145,3 +145,52 @@ def test_the_row_linear_refuses_what_it_cannot_multiply():
         cpu.gemv(torch.randn(4, 8), torch.randn(9))
     with pytest.raises(ValueError, match="fp32/bf16"):
         cpu.gemv(torch.randn(4, 8).half(), torch.randn(8).half())
+
+
+# ---- the layer step's Q4_1 row linear (cpu.c's gemv_q4: two rows at a time, 32-weight groups)
+
+Q4_SHAPES = [(1, 32), (2, 32), (3, 64), (17, 96), (48, 576), (960, 576), (5, 1536)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("shape", Q4_SHAPES, ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_the_q4_row_linear_is_the_dequantized_blocks_times_x(shape, threads):
+    """Against the blocks dequantized (quantize.dequantize_q4_1) times x in fp64: odd and even row counts (its rows
+    go in pairs, split over threads where a share may be empty), one group and many; the portable loop too."""
+    from modeld_cell.quantize import dequantize_q4_1, q4_1_blocks, quantize_q4_1
+
+    n, k = shape
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(k, generator=g)
+    qs, d, m = q4_1_blocks(w)
+    assert qs.shape == (n, k // 2) and qs.dtype == torch.uint8 and d.shape == m.shape == (n, k // 32)
+    want = dequantize_q4_1(*quantize_q4_1(w)).double() @ x.double()
+    atol, rtol = TOL[torch.float32]
+    for portable in (False, True):
+        got = cpu.gemv_q4(qs, d, m, x, portable=portable, threads=threads)
+        assert got.shape == (n,) and got.dtype == torch.float32
+        assert_close(f"gemv_q4 portable={portable}", want.float(), got, atol, rtol)
+
+
+def test_the_q4_blocks_hold_a_group_as_gguf_does():
+    """Weight j of a 32-weight group in the low nibble of byte j, weight j + 16 in its high nibble; w = d * q + m."""
+    from modeld_cell.quantize import q4_1_blocks
+
+    q = torch.arange(32).remainder(16).float()            # codes 0..15, 0..15
+    w = (0.5 * q - 1.0).view(1, 32)                        # d 0.5, m -1
+    qs, d, m = q4_1_blocks(w)
+    assert torch.equal(d, torch.tensor([[0.5]])) and torch.equal(m, torch.tensor([[-1.0]]))
+    assert qs[0].tolist() == [j | (j << 4) for j in range(16)]
+
+
+def test_the_q4_row_linear_refuses_what_it_cannot_multiply():
+    from modeld_cell.quantize import q4_1_blocks
+
+    qs, d, m = q4_1_blocks(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        cpu.gemv_q4(qs, d, m, torch.randn(63))
+    with pytest.raises(ValueError, match="fp32"):
+        cpu.gemv_q4(qs, d, m, torch.randn(64).bfloat16())
+    with pytest.raises(ValueError, match="uint8"):
+        cpu.gemv_q4(qs.int(), d, m, torch.randn(64))

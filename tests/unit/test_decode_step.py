@@ -232,11 +232,12 @@ class _Priced(TorchRunner):
 
     def __init__(self, exact_ms: float, recompute_ms: float, prefill_ms: float,
                  logits: dict[str, list[float]] | None = None, kernel_ms: float | None = None,
-                 layers_ms: float | None = None) -> None:
+                 layers_ms: float | None = None, q4_ms: float | None = None) -> None:
         super().__init__(_model("plain", torch.float32), PagedKVCache(2, 2, 16, kv_format("fp32"), 1 << 22, 16))
         self.exact_ms, self.recompute_ms, self.prefill_ms = exact_ms, recompute_ms, prefill_ms
         self.kernel_ms = recompute_ms if kernel_ms is None else kernel_ms
         self.layers_ms = self.kernel_ms if layers_ms is None else layers_ms
+        self.q4_ms = self.layers_ms if q4_ms is None else q4_ms
         self.stated = logits or {"exact": [0.0, 1.0, 2.0], "recompute": [0.0, 1.0, 2.0]}
 
     def prefill(self, tokens, start, blocks, sparse=None):  # type: ignore[no-untyped-def]
@@ -248,8 +249,8 @@ class _Priced(TorchRunner):
         import time
         kind = "exact" if self.writes_exact(len(toks)) else "recompute"
         step = self.recompute_step
-        ms = self.exact_ms if kind == "exact" else self.layers_ms if isinstance(step, DS.KernelDecode) else \
-            self.kernel_ms if step.kernel else self.recompute_ms
+        ms = self.exact_ms if kind == "exact" else (self.q4_ms if step.blocks is not None else self.layers_ms) \
+            if isinstance(step, DS.KernelDecode) else self.kernel_ms if step.kernel else self.recompute_ms
         time.sleep(ms / 1e3)
         return torch.tensor([self.stated[kind]])
 
@@ -387,6 +388,87 @@ def test_the_layer_step_takes_plain_dense_weights_only_and_follows_the_model() -
         M.pack_linears(m)
         with pytest.raises(RuntimeError, match="changed since the layer step was built"):
             step(4, 3, blocks)
+
+
+def _q4_representable(m: M.Transformer) -> M.Transformer:
+    """The model with each layer linear's weights replaced by their Q4_1 values (quantized and dequantized), as a
+    model loaded from a Q4_1 file holds them: its dense weights and its Q4_1 blocks are then one set of values."""
+    from modeld_cell.quantize import dequantize_q4_1, quantize_q4_1
+    with torch.no_grad():
+        for layer in m.layers:
+            for mod in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
+                mod.weight.copy_(dequantize_q4_1(*quantize_q4_1(mod.weight.float())).to(mod.weight.dtype))
+    return m
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+def test_the_q4_layer_step_computes_the_recomputing_steps_function(dtype: torch.dtype, threads: int) -> None:
+    """Reading the layers' Q4_1 blocks instead of their dense copy: past the first 512-key segment, over a scattered
+    block table against the dense scripted kernel step over a consecutive one, its logits and the K/V it writes are
+    that step's up to rounding (the same weight values, sums in another order), and it picks the same tokens."""
+    _kernel()
+    m = _q4_representable(_model("plain", dtype))
+    r = _runner(m, "bf16" if dtype == torch.bfloat16 else "fp32")
+    blocks = DS.q4_blocks(m)
+    assert blocks is not None and len(blocks) == m.args.n_layers and all(len(b) == 4 for b in blocks)
+    assert DS.layers_eligible(m, r.kv, blocks) is None
+    ref = DS.ScriptedDecode(m, r.kv, exact=False, kernel=True)
+    step = DS.KernelDecode(m, r.kv, threads, blocks)
+    a, b, tok = _two_sessions(r)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    for i in range(3):
+        pos = CONTEXT + i
+        want = ref(tok, pos, b)
+        got = step(tok, pos, a)
+        assert got.shape == want.shape == (1, m.args.vocab_size) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, **tol)
+        assert int(got.argmax()) == int(want.argmax())
+        tok = int(want[0].argmax())
+    for x, y in zip(_kv_of(r, a), _kv_of(r, b), strict=True):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
+def test_the_q4_layer_step_reads_its_blocks_whatever_the_dense_layout() -> None:
+    """With Q4_1 blocks the dense weights may be oneDNN-packed (for prefill): the step still serves; blocks of
+    another shape than a linear, or of another layer count, are refused with the reason."""
+    _kernel()
+    m = _q4_representable(_model("plain", torch.float32))
+    blocks = DS.q4_blocks(m)
+    if M.can_pack(torch.float32):
+        M.pack_linears(m)
+        assert DS.q4_blocks(m) is None                     # packed: no dense weights to make blocks of
+    r = _runner(m)
+    step = DS.KernelDecode(m, r.kv, 1, blocks)
+    tab = r.kv.allocate(2)
+    r.prefill([1, 2, 3], 0, tab)
+    assert step(4, 3, tab).shape == (1, 96)
+    assert DS.layers_eligible(m, r.kv, blocks) is None
+    assert DS.layers_eligible(m, r.kv, blocks[:1]) == "1 layers of Q4_1 blocks for a model of 2"
+    bad = [list(layer) for layer in blocks]
+    bad[1][2] = bad[1][1]                                   # w13's place holds wo's blocks
+    assert DS.layers_eligible(m, r.kv, bad) == "layer 1 w13: a bias, or Q4_1 blocks of another shape than the linear"
+
+
+def test_the_q4_layer_step_is_timed_with_the_others_and_its_blocks_kept_only_where_it_serves() -> None:
+    """The test's own prices: with Q4_1 blocks on the model, the runner times the Q4_1 layer step beside the flash,
+    kernel and dense layer steps; the fastest serves, and the model keeps its blocks only where that is the Q4_1
+    step. "on" takes the Q4_1 step untimed."""
+    _kernel()
+    for q4_ms, served in ((0.5, "layers-q4"), (3.0, "layers")):
+        r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=2.0, layers_ms=1.0, q4_ms=q4_ms, prefill_ms=0.1)
+        _q4_representable(r.model)
+        r.model.decode_blocks = DS.q4_blocks(r.model)
+        rep = r.choose_decoded_kv("auto", reps=3, context=32)
+        att = rep["attention"]
+        assert set(att["median_ms"]) == {"flash", "kernel", "layers", "layers-q4"} and att["served"] == served
+        assert isinstance(r.recompute_step, DS.KernelDecode)
+        assert (r.recompute_step.blocks is not None) == (served == "layers-q4")
+        assert (r.model.decode_blocks is not None) == (served == "layers-q4")
+    r = _Priced(exact_ms=12.0, recompute_ms=4.0, prefill_ms=0.1)
+    r.model.decode_blocks = DS.q4_blocks(_q4_representable(r.model))
+    rep = r.choose_decoded_kv("recompute", kernels="on")
+    assert rep["attention"]["served"] == "layers-q4" and r.recompute_step.blocks is r.model.decode_blocks
 
 
 def test_the_loader_keeps_dense_weights_plain_only_for_a_faster_layer_step(monkeypatch: pytest.MonkeyPatch,

@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define MAX_HD 4096 /* Hq * D */
 #define MAX_G 8     /* query heads per kv head, AVX-512 path */
@@ -104,8 +107,6 @@ static void row_portable(const void *q, void *out, const void *kc, const void *v
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 static inline __m512 load16(const void *p, int64_t off, int bf16) {
     if (bf16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -505,6 +506,140 @@ void modeld_gemv(const void *W, const void *x, float *y, int N, int K, int bf16,
     else gemv_threads(W, x, y, N, K, bf16, threads);
 }
 
+/* ---- Q4_1 blocks for the layer step's linears (#18) ----
+ * A one-session decode step reads every weight once, so its time is the weights' bytes over the memory bandwidth:
+ * dense fp32 SmolLM2 layers are 424 MB a token, their Q4_1 blocks 80 MB. Layout (a cell whose file stores its layers
+ * in Q4_1, quantize.q4_1_blocks): qs [N, K/2] uint8, a 32-weight group's 16 bytes holding weight j in the low
+ * nibble of byte j and weight j + 16 in its high nibble (GGUF's order); d, m [N, K/32] fp32; w = d * q + m. A row's
+ * product is d . (q . x) + m . xs per group, xs the group's sum of x (computed once a call), in fp32 sums.
+ */
+#define Q4_GROUP 32
+
+static void gemv_q4_portable(const uint8_t *qs, const float *dd, const float *mm, const float *x, const float *xs,
+                             float *y, int N, int K) {
+    const int ng = K / Q4_GROUP;
+    for (int o = 0; o < N; o++) {
+        const uint8_t *qr = qs + (int64_t)o * (K / 2);
+        float acc = 0.f, macc = 0.f;
+        for (int g = 0; g < ng; g++) {
+            float t = 0.f;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t b = qr[16 * g + j];
+                t += (float)(b & 15) * x[32 * g + j] + (float)(b >> 4) * x[32 * g + 16 + j];
+            }
+            acc += dd[(int64_t)o * ng + g] * t;
+            macc += mm[(int64_t)o * ng + g] * xs[g];
+        }
+        y[o] = acc + macc;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* AVX2 + FMA (AVX-512 CPUs run it too): two rows at a time, sharing each group's x loads. */
+static void gemv_q4_avx2(const uint8_t *qs, const float *dd, const float *mm, const float *x, const float *xs,
+                         float *y, int N, int K) {
+    const int ng = K / Q4_GROUP;
+    const __m128i low = _mm_set1_epi8(15);
+    int o = 0;
+    for (; o < N; o += 2) {
+        const int two = o + 1 < N;
+        const uint8_t *q0 = qs + (int64_t)o * (K / 2), *q1 = two ? q0 + K / 2 : q0;
+        const float *d0 = dd + (int64_t)o * ng, *d1 = two ? d0 + ng : d0;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int g = 0; g < ng; g++) {
+            const float *xg = x + Q4_GROUP * g;
+            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
+                         x3 = _mm256_loadu_ps(xg + 24);
+#define Q4_DOT(QR, DR, ACC)                                                                                           \
+    do {                                                                                                              \
+        const __m128i b = _mm_loadu_si128((const __m128i *)((QR) + 16 * g));                                          \
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);                      \
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);                                   \
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1, t);                  \
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, t);                                     \
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, t);                  \
+        ACC = _mm256_fmadd_ps(t, _mm256_broadcast_ss((DR) + g), ACC);                                                 \
+    } while (0)
+            Q4_DOT(q0, d0, a0);
+            if (two) Q4_DOT(q1, d1, a1);
+#undef Q4_DOT
+        }
+        for (int r = 0; r <= two; r++) {
+            const float *mr = mm + (int64_t)(o + r) * ng;
+            __m256 ma = _mm256_setzero_ps();
+            int g = 0;
+            for (; g + 8 <= ng; g += 8) ma = _mm256_fmadd_ps(_mm256_loadu_ps(mr + g), _mm256_loadu_ps(xs + g), ma);
+            float mt = hsum8(ma);
+            for (; g < ng; g++) mt += mr[g] * xs[g];
+            y[o + r] = hsum8(r ? a1 : a0) + mt;
+        }
+    }
+}
+#endif
+
+typedef struct {
+    const uint8_t *qs;
+    const float *d, *m, *x, *xs;
+    float *y;
+    int N, K, portable;
+} q4_job;
+
+static void q4_part(void *p, int part, int parts) { /* rows in pairs, split as evenly as pairs allow */
+    const q4_job *j = (const q4_job *)p;
+    const int pairs = (j->N + 1) / 2, lo = pairs * part / parts * 2, hi0 = pairs * (part + 1) / parts * 2;
+    const int hi = hi0 < j->N ? hi0 : j->N, ng = j->K / Q4_GROUP;
+    if (hi <= lo) return;
+    const uint8_t *qs = j->qs + (int64_t)lo * (j->K / 2);
+    const float *d = j->d + (int64_t)lo * ng, *m = j->m + (int64_t)lo * ng;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!j->portable) {
+        gemv_q4_avx2(qs, d, m, j->x, j->xs, j->y + lo, hi - lo, j->K);
+        return;
+    }
+#endif
+    gemv_q4_portable(qs, d, m, j->x, j->xs, j->y + lo, hi - lo, j->K);
+}
+
+/* y [N] = the Q4_1 blocks times x [K] fp32 (K a multiple of 32); xs: scratch of K/32 floats, filled here. */
+static void gemv_q4_threads(const uint8_t *qs, const float *d, const float *m, const float *x, float *xs, float *y,
+                            int N, int K, int threads, int portable) {
+    for (int g = 0; g < K / Q4_GROUP; g++) {
+        float s = 0.f;
+        for (int i = 0; i < Q4_GROUP; i++) s += x[Q4_GROUP * g + i];
+        xs[g] = s;
+    }
+    q4_job j = {qs, d, m, x, xs, y, N, K, portable};
+    pool_run(q4_part, &j, threads);
+}
+
+/* 1 where this build has the AVX2 + FMA Q4_1 loop, else 0 */
+int modeld_gemv_q4_isa(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Exported for the self-check: y = the Q4_1 blocks times x, as the layer step computes it. 0 done, 1 K not a
+ * multiple of 32, 2 out of memory. */
+int modeld_gemv_q4(const uint8_t *qs, const float *d, const float *m, const float *x, float *y, int N, int K,
+                   int portable, int threads) {
+    if (K % Q4_GROUP || N < 1) return 1;
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(K / Q4_GROUP));
+    if (xs == NULL) return 2;
+    gemv_q4_threads(qs, d, m, x, xs, y, N, K, threads, portable);
+    free(xs);
+    return 0;
+}
+
 /* out[i] (compute dtype) = round(round(x[i] * rsqrt(mean(x^2) + eps)) * w[i]), as model.rms_norm */
 static void rms_norm_row(const float *x, const void *w, void *out, int dim, float eps, int bf16) {
     float ss = 0.f;
@@ -514,20 +649,39 @@ static void rms_norm_row(const float *x, const void *w, void *out, int dim, floa
 }
 
 enum { L_ATTN_NORM, L_FFN_NORM, L_WQKV, L_WO, L_W13, L_W2, L_KC, L_VC, L_PTRS };
+/* the same with Q4_1 linears: three pointers each (qs, d, m) */
+enum { Q_ATTN_NORM, Q_FFN_NORM, Q_WQKV, Q_WO = Q_WQKV + 3, Q_W13 = Q_WO + 3, Q_W2 = Q_W13 + 3, Q_KC = Q_W2 + 3, Q_VC,
+       Q_PTRS };
+
+/* One of a layer's linears on the row act (compute dtype): dense (wfmt 0: P[dense], gemv) or Q4_1 (wfmt 1:
+ * P[q4 .. q4 + 2], the row first widened to fp32 in xf, K + K/32 floats of scratch). */
+static void layer_linear(void *const *P, int dense, int q4, int wfmt, const void *act, float *y, int N, int K, int bf16,
+                         int threads, float *xf) {
+    if (wfmt == 0) {
+        gemv_threads(P[dense], act, y, N, K, bf16, threads);
+        return;
+    }
+    for (int i = 0; i < K; i++) xf[i] = load1(act, i, bf16);
+    gemv_q4_threads((const uint8_t *)P[q4], (const float *)P[q4 + 1], (const float *)P[q4 + 2], xf, xf + K, y, N, K,
+                    threads, 0);
+}
 
 /* Every layer of one decode row. x [dim] fp32 in and out (values rounded to the compute dtype); ptrs: L_PTRS per
  * layer (norm weights and plain linear weights in the compute dtype, bf16 or fp32; each layer's K and V cache);
  * cos, ssin [D] fp32 (model.rope_rows of the position); slot: the token's flat slot in the caches; table, n, bs as
- * modeld_paged_decode; threads: the linears' rows split over this many threads (the pool's helpers; 1: this one).
- * Returns 0 done, 1 a shape it does not take, 2 out of memory. */
+ * modeld_paged_decode; threads: the linears' rows split over this many threads (the pool's helpers; 1: this one);
+ * wfmt 1: the linears are Q4_1 blocks (Q_PTRS a layer, each linear's qs, d, m; every input size a multiple of 32),
+ * their input rows widened to fp32. Returns 0 done, 1 a shape it does not take, 2 out of memory. */
 int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float *cos, const float *ssin, int64_t slot,
                          const int32_t *table, int64_t n, int64_t bs, int dim, int hq, int hkv, int d, int inter,
-                         float eps, float scale, int bf16, int kv_bf16, int threads) {
+                         float eps, float scale, int bf16, int kv_bf16, int threads, int wfmt) {
     if (n_layers < 1 || dim < 1 || inter < 1 || d < 2 || d % 2 || d > 1024 || hkv < 1 || hq % hkv ||
-        (int64_t)hq * d > MAX_HD)
+        (int64_t)hq * d > MAX_HD || wfmt < 0 || wfmt > 1 ||
+        (wfmt == 1 && (dim % Q4_GROUP || inter % Q4_GROUP || (hq * d) % Q4_GROUP)))
         return 1;
-    const int nqkv = (hq + 2 * hkv) * d, esz = bf16 ? 2 : 4;
-    const int64_t need = (int64_t)dim * 2 + nqkv + 2 * (int64_t)inter + (int64_t)hq * d;
+    const int nqkv = (hq + 2 * hkv) * d, esz = bf16 ? 2 : 4, np = wfmt ? Q_PTRS : L_PTRS;
+    const int kmax = dim > inter ? (dim > hq * d ? dim : hq * d) : (inter > hq * d ? inter : hq * d);
+    const int64_t need = (int64_t)dim * 2 + nqkv + 2 * (int64_t)inter + (int64_t)hq * d + kmax + kmax / Q4_GROUP + 16;
     static __thread float *buf = NULL; /* fp32 scratch: h, y, qkv, gate|up */
     static __thread void *act = NULL;  /* one compute-dtype row, the linears' input */
     static __thread int64_t cap = 0;
@@ -551,18 +705,18 @@ int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float 
         act = a;
         cap = need;
     }
-    float *h = buf, *y = h + dim, *qkv = y + dim, *gu = qkv + nqkv;
+    float *h = buf, *y = h + dim, *qkv = y + dim, *gu = qkv + nqkv, *xf = gu + 2 * (int64_t)inter;
     for (int l = 0; l < n_layers; l++) {
-        void *const *P = ptrs + (int64_t)l * L_PTRS;
-        rms_norm_row(x, P[L_ATTN_NORM], act, dim, eps, bf16);
-        gemv_threads(P[L_WQKV], act, qkv, nqkv, dim, bf16, threads);
+        void *const *P = ptrs + (int64_t)l * np;
+        rms_norm_row(x, P[L_ATTN_NORM], act, dim, eps, bf16); /* Q_ norms sit where L_ ones do */
+        layer_linear(P, L_WQKV, Q_WQKV, wfmt, act, qkv, nqkv, dim, bf16, threads, xf);
         for (int i = 0; i < nqkv; i++) qkv[i] = rnd(qkv[i], bf16);
         for (int r = 0; r < hq + hkv; r++) { /* model.rope_rotate: x * cos + roll(x, D/2) * ssin, q and k heads */
             float *v = qkv + (int64_t)r * d, t[1024];
             for (int i = 0; i < d; i++) t[i] = v[i];
             for (int i = 0; i < d; i++) v[i] = rnd(t[i] * cos[i] + t[(i + d / 2) % d] * ssin[i], bf16);
         }
-        char *kc = (char *)P[L_KC], *vc = (char *)P[L_VC];
+        char *kc = (char *)P[wfmt ? Q_KC : L_KC], *vc = (char *)P[wfmt ? Q_VC : L_VC];
         for (int i = 0; i < hkv * d; i++) { /* PagedKVCache.write of the row's k and v */
             store1(kc, slot * hkv * d + i, qkv[(int64_t)hq * d + i], kv_bf16);
             store1(vc, slot * hkv * d + i, qkv[(int64_t)(hq + hkv) * d + i], kv_bf16);
@@ -571,15 +725,15 @@ int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float 
         void *o = (char *)act + (int64_t)hq * d * esz;
         int rc = attend_threads(act, o, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, bf16, threads, work);
         if (rc) return rc;
-        gemv_threads(P[L_WO], o, y, dim, hq * d, bf16, threads);
+        layer_linear(P, L_WO, Q_WO, wfmt, o, y, dim, hq * d, bf16, threads, xf);
         for (int i = 0; i < dim; i++) h[i] = rnd(x[i] + rnd(y[i], bf16), bf16);
         rms_norm_row(h, P[L_FFN_NORM], act, dim, eps, bf16);
-        gemv_threads(P[L_W13], act, gu, 2 * inter, dim, bf16, threads);
+        layer_linear(P, L_W13, Q_W13, wfmt, act, gu, 2 * inter, dim, bf16, threads, xf);
         for (int i = 0; i < inter; i++) { /* F.silu(gate) * up, each rounded as torch rounds it */
             const float g = rnd(gu[i], bf16), u = rnd(gu[inter + i], bf16);
             store1(act, i, rnd(g / (1.f + expf(-g)), bf16) * u, bf16);
         }
-        gemv_threads(P[L_W2], act, y, dim, inter, bf16, threads);
+        layer_linear(P, L_W2, Q_W2, wfmt, act, y, dim, inter, bf16, threads, xf);
         for (int i = 0; i < dim; i++) x[i] = rnd(h[i] + rnd(y[i], bf16), bf16);
     }
     return 0;

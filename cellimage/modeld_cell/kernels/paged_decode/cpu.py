@@ -163,17 +163,22 @@ def _load(cache_dir: str | None) -> dict[str, Any]:
     lib.modeld_gemv.restype = None
     lib.modeld_decode_layers.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * 5 + [
-        ctypes.c_float] * 2 + [ctypes.c_int] * 3
+        ctypes.c_float] * 2 + [ctypes.c_int] * 4
+    lib.modeld_gemv_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.modeld_gemv_q4.restype = ctypes.c_int
+    lib.modeld_gemv_q4_isa.restype = ctypes.c_int
     lib.modeld_decode_layers.restype = ctypes.c_int
     _lib = lib
     try:
         check = self_check()
         check.update(gemv_check())
+        check.update(gemv_q4_check())
     except Exception as e:        # a kernel that disagrees with the reference never serves
         _lib = None
         return {"loaded": False, "reason": f"the built kernel failed its check against the reference: {e}"}
     return {"loaded": True, "reason": "built and checked against reference.paged_decode and F.linear", "isa":
-            "avx512" if lib.modeld_paged_decode_isa() else "portable", "compiler": version.splitlines()[0][:120],
+            "avx512" if lib.modeld_paged_decode_isa() else "portable",
+            "q4_isa": "avx2" if lib.modeld_gemv_q4_isa() else "portable", "compiler": version.splitlines()[0][:120],
             "library": str(lib_path), "built_s": round(built_s, 2), "check": check}
 
 
@@ -246,18 +251,63 @@ def gemv_check() -> dict[str, float]:
     return worst
 
 
+def gemv_q4(qs: Tensor, d: Tensor, m: Tensor, x: Tensor, portable: bool = False, threads: int = 1) -> Tensor:
+    """y [N] fp32 = the Q4_1 blocks (quantize.q4_1_blocks: qs [N, K/2] uint8, d, m [N, K/32] fp32) times x [K] fp32,
+    as the layer step's Q4_1 linears compute it. ``portable``: the portable loop whatever the build targets;
+    ``threads``: the rows split over the kernel's helper threads."""
+    if _lib is None:
+        raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
+    n, k = qs.shape[0], qs.shape[1] * 2
+    if (qs.dtype != torch.uint8 or x.shape != (k,) or x.dtype != torch.float32 or k % 32
+            or d.shape != (n, k // 32) or m.shape != d.shape or d.dtype != torch.float32 or m.dtype != torch.float32):
+        raise ValueError(f"gemv_q4 takes qs [N, K/2] uint8, d, m [N, K/32] fp32 and x [K] fp32 (K a multiple of 32), "
+                         f"got {tuple(qs.shape)} {qs.dtype}, {tuple(d.shape)} {d.dtype}, {tuple(x.shape)} {x.dtype}")
+    qs, d, m, x = qs.contiguous(), d.contiguous(), m.contiguous(), x.contiguous()
+    y = torch.empty(n, dtype=torch.float32)
+    rc = _lib.modeld_gemv_q4(qs.data_ptr(), d.data_ptr(), m.data_ptr(), x.data_ptr(), y.data_ptr(), n, k,
+                             int(portable), threads)
+    if rc != 0:
+        raise RuntimeError(f"modeld_gemv_q4 returned {rc} for N={n}, K={k}")
+    return y
+
+
+def gemv_q4_check() -> dict[str, float]:
+    """The loaded Q4_1 row linear against the blocks dequantized (quantize.dequantize_q4_1) times x in fp64, on
+    seeded inputs: odd and even row counts, one group and many, the build's loop (one thread and two) and the
+    portable one. Raises AssertionError naming the case past CHECK_TOL[fp32]; returns the largest relative error
+    (key ``gemv_q4``)."""
+    from modeld_cell.quantize import dequantize_q4_1, q4_1_blocks, quantize_q4_1
+
+    g = torch.Generator().manual_seed(2)
+    worst = 0.0
+    for n, k in ((5, 32), (48, 576), (37, 96)):
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(k, generator=g)
+        qs, d, m = q4_1_blocks(w)
+        want = dequantize_q4_1(*quantize_q4_1(w)).double() @ x.double()
+        for portable, threads in ((False, 1), (True, 1), (False, 2)):
+            got = gemv_q4(qs, d, m, x, portable, threads).double()
+            err = float((got - want).abs().max() / want.abs().max())
+            if not err <= CHECK_TOL[torch.float32]:
+                raise AssertionError(f"gemv_q4 N={n} K={k} portable={portable} threads={threads}: relative error "
+                                     f"{err:.3g} over {CHECK_TOL[torch.float32]}")
+            worst = max(worst, err)
+    return {"gemv_q4": round(worst, 8)}
+
+
 def decode_layers(x: Tensor, ptrs: Any, n_layers: int, cos: Tensor, ssin: Tensor, slot: int, table: Tensor, n: int,
                   bs: int, dims: tuple[int, int, int, int, int], eps: float, scale: float, bf16: bool,
-                  kv_bf16: bool, threads: int = 1) -> None:
+                  kv_bf16: bool, threads: int = 1, q4: bool = False) -> None:
     """Every layer of one decode row, in place on x [dim] fp32 (cpu.c's modeld_decode_layers). ptrs: a ctypes
     array of L_PTRS (8) pointers a layer; cos, ssin [D] fp32 contiguous; table int32 contiguous covering n;
-    dims (dim, Hq, Hkv, D, intermediate); threads: the linears' rows split over that many threads. The caller (decode_step.KernelDecode) keeps every pointed tensor alive."""
+    dims (dim, Hq, Hkv, D, intermediate); threads: the linears' rows split over that many threads; q4: the linears
+    are Q4_1 blocks (cpu.c's Q_PTRS, 16 pointers a layer: each linear's qs, d, m). The caller (decode_step.KernelDecode) keeps every pointed tensor alive."""
     if _lib is None:
         raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
     dim, hq, hkv, d, inter = dims
     rc = _lib.modeld_decode_layers(x.data_ptr(), ptrs, n_layers, cos.data_ptr(), ssin.data_ptr(), slot,
                                    table.data_ptr(), n, bs, dim, hq, hkv, d, inter, eps, scale, int(bf16),
-                                   int(kv_bf16), threads)
+                                   int(kv_bf16), threads, int(q4))
     if rc != 0:
         raise RuntimeError(f"modeld_decode_layers returned {rc} (1: a shape it does not take, 2: out of memory) "
                            f"for dim={dim}, Hq={hq}, Hkv={hkv}, D={d}, intermediate={inter}, n={n}")
