@@ -170,6 +170,7 @@ class CellConfig:
     weights_head: str | None = None       # a quantized kernel's head: int8 | dense (quantize.head_kernel); None: own
     weights_blocks: bool = False          # the file stores every layer linear in the format's blocks (q4_1): the
                                           # CPU layer step may read them as such (loader, decode_step.q4_blocks)
+    weights_head_blocks: bool = False     # and its head in Q8_0 (quantize.q8_0_blocks)
     kv: str = "fp32"
     kv_memory_mib: int = DEFAULT_KV_MEMORY_MIB
     context_tier: int = 0                 # tokens per session: the spec's contextTier (a test sibling may shrink it)
@@ -243,4 +244,5 @@ class CellConfig:
             out.weights = self.weights    # the compute dtype the device chose (loader.resolve_device) stays
             out.weights_kernel, out.weights_choice = self.weights_kernel, self.weights_choice   # and the kernel
             out.weights_head, out.weights_blocks = self.weights_head, self.weights_blocks
+            out.weights_head_blocks = self.weights_head_blocks
         return out

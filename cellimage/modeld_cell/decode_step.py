@@ -288,9 +288,11 @@ class KernelDecode:
 
     ``blocks`` (``q4_blocks``): the layers' linears read as Q4_1 blocks instead of the dense weights, a fifth of fp32's
     bytes and two fifths of bf16's, for a file that stores them so (the blocks are its own values, the dense weights
-    their dequantized copy). The step holds the blocks; the dense weights may then be oneDNN-packed for prefill."""
+    their dequantized copy). The step holds the blocks; the dense weights may then be oneDNN-packed for prefill.
+    ``head`` (quantize.q8_0_blocks of the head): the head read as the Q8_0 blocks a file keeps it in, likewise."""
 
-    def __init__(self, model: Any, kv: Any, threads: int = 1, blocks: Any = None) -> None:
+    def __init__(self, model: Any, kv: Any, threads: int = 1, blocks: Any = None,
+                 head: tuple[Tensor, Tensor] | None = None) -> None:
         why = layers_eligible(model, kv, blocks)
         if why is not None:
             raise ValueError(why)
@@ -299,6 +301,11 @@ class KernelDecode:
         self.model, self.kv = model, kv
         self.exact, self.kernel, self.threads = False, True, threads
         self.blocks = blocks
+        out = model.output
+        if head is not None and (head[0].shape != out.weight.shape if getattr(out, "weight", None) is not None
+                                 else head[0].shape[0] != model.args.vocab_size):
+            raise ValueError(f"Q8_0 head blocks of {tuple(head[0].shape)} for a head of {model.args.vocab_size} rows")
+        self.head_blocks = head
         self._pool = (kv.k, kv.v)
         self._weights = self._weights_now()
         if blocks is None:                                                   # cpu.c's L_PTRS a layer, in its order
@@ -346,6 +353,9 @@ class KernelDecode:
                                     m.compute_dtype == torch.bfloat16, kv.k.dtype == torch.bfloat16, self.threads,
                                     self.blocks is not None)
         h = x.to(m.compute_dtype).view(1, -1)
+        if self.head_blocks is not None:
+            y = cpu_attention.gemv_q8(*self.head_blocks, m.norm(h).float().view(-1), threads=self.threads)
+            return y.to(m.compute_dtype).float().view(1, -1)
         if not self._head:
             return m.logits(h)
         y = cpu_attention.gemv(m.output.weight, m.norm(h).view(-1), threads=self.threads)

@@ -149,7 +149,7 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
     if cfg.backend != "torch" or cfg.parallelism not in ("single", "data"):
         return set(), None
     from . import autotune
-    from .quantize import FILE_TYPE, dense_modules, head_kernel
+    from .quantize import FILE_TYPE, HEAD_INT8_FROM, dense_modules, head_kernel
 
     forced = settings.weights_path if settings is not None else "auto"
     kernel = autotune.QUANT_KERNEL.get(cfg.weights_storage)
@@ -168,6 +168,8 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
     cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
     cfg.weights_head = head if choice.kernel != "dense" else None
     cfg.weights_blocks = kernel == "q4_1" and kernel_ok
+    cfg.weights_head_blocks = cfg.weights_blocks and stored_as is not None and stored_as.get(
+        "model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight") in HEAD_INT8_FROM
     return dense, head
 
 
@@ -503,7 +505,11 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         # the file's Q4_1 blocks of the layers, for the recomputing decode step to read instead of their dense copy
         # (runner.choose_decoded_kv times it with the other steps and keeps them only where it serves)
         from .decode_step import q4_blocks
+        from .quantize import q8_0_blocks
         model.decode_blocks = q4_blocks(model)
+        out = getattr(model.output, "weight", None)
+        if model.decode_blocks is not None and cfg.weights_head_blocks and out is not None:
+            model.decode_head_blocks = q8_0_blocks(out.detach().float())   # the file's Q8_0 head, likewise
     if rk is None and settings.pack_weights and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu":
         # with Q4_1 blocks for the layer step, its dense weights need not stay plain: they are packed for prefill
         plain = None if getattr(model, "decode_blocks", None) is not None else keep_plain_for_kernels(

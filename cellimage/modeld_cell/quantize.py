@@ -81,6 +81,21 @@ def q4_1_blocks(w: Tensor, group: int = Q4_GROUP) -> tuple[Tensor, Tensor, Tenso
     return qs, d.contiguous(), m.contiguous()
 
 
+def q8_0_blocks(w: Tensor, group: int = Q4_GROUP) -> tuple[Tensor, Tensor]:
+    """A head's Q8_0 blocks for the CPU layer step (cpu.c ``gemv_q8``): w [N, K] float, K % group == 0 -> (qs [N, K]
+    int8, d [N, K/group] fp32), w ~= d * q, symmetric per group: d = max |w| / 127, q = round(w / d). Of a head the
+    file stores in Q8_0 (dequantized to fp32 as loaded) these are the file's blocks: ggml's Q8_0 puts the group's
+    largest magnitude at code 127, so max |w| / 127 is the file's fp16 d, exactly, and w / d its codes."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"q8_0: input size {k} is not a multiple of the group size {group}")
+    wg = w.float().view(n, k // group, group)
+    d = wg.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(wg * inv[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return q.contiguous(), d.contiguous()
+
+
 def int8_linear(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     """Int8WeightOnlyLinear's multiply (TorchScript-compilable): x [N, K] @ (qweight * scales)^T (+ bias)."""
     y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scales)

@@ -475,6 +475,7 @@ class TorchRunner:
         if getattr(self.model, "decode_blocks", None) is not None:
             # the Q4_1 blocks stay only where their step serves (the loader built them for this choice)
             self.model.decode_blocks = getattr(self.recompute_step, "blocks", None)
+            self.model.decode_head_blocks = getattr(self.recompute_step, "head_blocks", None)
         self.decoded_kv_report = rep
         return rep
 
@@ -509,8 +510,9 @@ class TorchRunner:
             if blocks is not None:
                 q4_why = decode_step.layers_eligible(flash.model, flash.kv, blocks)
                 if q4_why is None:
-                    steps["layers-q4"] = decode_step.KernelDecode(flash.model, flash.kv, torch.get_num_threads(),
-                                                                  blocks)
+                    steps["layers-q4"] = decode_step.KernelDecode(
+                        flash.model, flash.kv, torch.get_num_threads(), blocks,
+                        getattr(flash.model, "decode_head_blocks", None))
                 else:
                     att["layers-q4"] = q4_why
             return att, steps

@@ -212,9 +212,10 @@ async def test_the_whole_layer_step_serves_a_cell_whose_loader_kept_the_weights_
 @pytest.mark.skipif(KERNELS == "off", reason="no C compiler on PATH: the CPU kernels are off")
 async def test_the_q4_layer_step_serves_a_q4_1_cell_computed_dense(smollm2_path):
     """profile.weights q4_1 computed by the dense fp32 path (MODELD_WEIGHTS_PATH=dense-fp32), with the kernels on:
-    the loader gives the layer step the file's Q4_1 blocks (decode_step.q4_blocks), so the dense weights are
-    oneDNN-packed for prefill instead of kept plain, and the one-session step reads the blocks. Its decoded tokens
-    are recomputed with the append, and the continuation is held to a cold prefill and to the one-pass reference."""
+    the loader gives the layer step the file's Q4_1 blocks (decode_step.q4_blocks) and its Q8_0 head, so the dense
+    weights are oneDNN-packed for prefill instead of kept plain, and the one-session step reads the blocks. Its
+    decoded tokens are recomputed with the append, and the continuation is held to a cold prefill and to the
+    one-pass reference."""
     from modeld_cell import decode_step as DS
 
     spec = {**SPEC, "profile": {**SPEC["profile"], "weights": "q4_1"}}
@@ -228,6 +229,7 @@ async def test_the_q4_layer_step_serves_a_q4_1_cell_computed_dense(smollm2_path)
         step = eng.runner.recompute_step
         assert isinstance(step, DS.KernelDecode) and step.blocks is not None
         assert step.blocks is eng.model.decode_blocks and rt["decoded_kv"]["attention"]["served"] == "layers-q4"
+        assert step.head_blocks is not None          # the file keeps its tied embedding table (the head) in Q8_0
         p = _prompt(eng, 45)
         await eng.ensure_prefix("a", p)
         ids, _, _ = await generate(eng, "a", 12, ignore_eos=True)

@@ -194,3 +194,25 @@ def test_the_q4_row_linear_refuses_what_it_cannot_multiply():
         cpu.gemv_q4(qs, d, m, torch.randn(64).bfloat16())
     with pytest.raises(ValueError, match="uint8"):
         cpu.gemv_q4(qs.int(), d, m, torch.randn(64))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("shape", Q4_SHAPES, ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_the_q8_head_is_its_blocks_times_x(shape, threads):
+    """The layer step's Q8_0 head (cpu.c's gemv_q8) against d * q times x in fp64; the portable loop too. The blocks
+    of Q8_0 values (the group's largest magnitude at code 127) are those values again, exactly."""
+    from modeld_cell.quantize import q8_0_blocks
+
+    n, k = shape
+    g = torch.Generator().manual_seed(n * 1000 + k + 7)
+    qs, d = q8_0_blocks(torch.randn(n, k, generator=g))
+    w = (qs.view(n, -1, 32).float() * d[..., None]).view(n, k)
+    q2, d2 = q8_0_blocks(w)
+    assert torch.equal(q2, qs) and torch.equal(d2, d)
+    x = torch.randn(k, generator=g)
+    want = w.double() @ x.double()
+    atol, rtol = TOL[torch.float32]
+    for portable in (False, True):
+        got = cpu.gemv_q8(qs, d, x, portable=portable, threads=threads)
+        assert got.shape == (n,) and got.dtype == torch.float32
+        assert_close(f"gemv_q8 portable={portable}", want.float(), got, atol, rtol)

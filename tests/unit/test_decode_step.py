@@ -391,22 +391,29 @@ def test_the_layer_step_takes_plain_dense_weights_only_and_follows_the_model() -
 
 
 def _q4_representable(m: M.Transformer) -> M.Transformer:
-    """The model with each layer linear's weights replaced by their Q4_1 values (quantized and dequantized), as a
-    model loaded from a Q4_1 file holds them: its dense weights and its Q4_1 blocks are then one set of values."""
-    from modeld_cell.quantize import dequantize_q4_1, quantize_q4_1
+    """The model with each layer linear's weights replaced by their Q4_1 values (quantized and dequantized), and its
+    head by its Q8_0 values, as a model loaded from a Q4_1 file holds them: its dense weights and its blocks are
+    then one set of values."""
+    from modeld_cell.quantize import dequantize_q4_1, q8_0_blocks, quantize_q4_1
     with torch.no_grad():
         for layer in m.layers:
             for mod in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
                 mod.weight.copy_(dequantize_q4_1(*quantize_q4_1(mod.weight.float())).to(mod.weight.dtype))
+        q, d = q8_0_blocks(m.output.weight.float())               # the head (the tied table) as Q8_0 values
+        m.output.weight.copy_((q.view(q.shape[0], -1, 32).float() * d[..., None]).view(q.shape).to(m.output.weight.dtype))
     return m
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["head-dense", "head-q8_0"])
 @pytest.mark.parametrize("threads", [1, 2], ids=lambda t: f"threads{t}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
-def test_the_q4_layer_step_computes_the_recomputing_steps_function(dtype: torch.dtype, threads: int) -> None:
-    """Reading the layers' Q4_1 blocks instead of their dense copy: past the first 512-key segment, over a scattered
-    block table against the dense scripted kernel step over a consecutive one, its logits and the K/V it writes are
-    that step's up to rounding (the same weight values, sums in another order), and it picks the same tokens."""
+def test_the_q4_layer_step_computes_the_recomputing_steps_function(dtype: torch.dtype, threads: int,
+                                                                   head: bool) -> None:
+    """Reading the layers' Q4_1 blocks (and the head's Q8_0 ones) instead of their dense copy: past the first
+    512-key segment, over a scattered block table against the dense scripted kernel step over a consecutive one, its
+    logits and the K/V it writes are that step's up to rounding (the same weight values, sums in another order), and
+    it picks the same tokens."""
+    from modeld_cell.quantize import q8_0_blocks
     _kernel()
     m = _q4_representable(_model("plain", dtype))
     r = _runner(m, "bf16" if dtype == torch.bfloat16 else "fp32")
@@ -414,7 +421,7 @@ def test_the_q4_layer_step_computes_the_recomputing_steps_function(dtype: torch.
     assert blocks is not None and len(blocks) == m.args.n_layers and all(len(b) == 4 for b in blocks)
     assert DS.layers_eligible(m, r.kv, blocks) is None
     ref = DS.ScriptedDecode(m, r.kv, exact=False, kernel=True)
-    step = DS.KernelDecode(m, r.kv, threads, blocks)
+    step = DS.KernelDecode(m, r.kv, threads, blocks, q8_0_blocks(m.output.weight.float()) if head else None)
     a, b, tok = _two_sessions(r)
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
     for i in range(3):
@@ -445,6 +452,9 @@ def test_the_q4_layer_step_reads_its_blocks_whatever_the_dense_layout() -> None:
     assert step(4, 3, tab).shape == (1, 96)
     assert DS.layers_eligible(m, r.kv, blocks) is None
     assert DS.layers_eligible(m, r.kv, blocks[:1]) == "1 layers of Q4_1 blocks for a model of 2"
+    from modeld_cell.quantize import q8_0_blocks
+    with pytest.raises(ValueError, match="Q8_0 head blocks of"):
+        DS.KernelDecode(m, r.kv, 1, blocks, q8_0_blocks(torch.randn(95, 64)))
     bad = [list(layer) for layer in blocks]
     bad[1][2] = bad[1][1]                                   # w13's place holds wo's blocks
     assert DS.layers_eligible(m, r.kv, bad) == "layer 1 w13: a bias, or Q4_1 blocks of another shape than the linear"

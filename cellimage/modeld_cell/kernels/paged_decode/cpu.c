@@ -619,6 +619,89 @@ static void gemv_q4_threads(const uint8_t *qs, const float *d, const float *m, c
     pool_run(q4_part, &j, threads);
 }
 
+/* ---- Q8_0 blocks for the head (#18) ----
+ * A file that keeps its output head (SmolLM2: the tied embedding table) in Q8_0 serves the layer step's head from its
+ * blocks: qs [N, K] int8, d [N, K/32] fp32, w = d * q (quantize.q8_0_blocks); 28 MB for SmolLM2 against 113 MB of
+ * fp32. A row's product is the sum over groups of d . (q . x), fp32 sums.
+ */
+static void gemv_q8_portable(const int8_t *qs, const float *dd, const float *x, float *y, int N, int K) {
+    const int ng = K / Q4_GROUP;
+    for (int o = 0; o < N; o++) {
+        const int8_t *qr = qs + (int64_t)o * K;
+        float acc = 0.f;
+        for (int g = 0; g < ng; g++) {
+            float t = 0.f;
+            for (int j = 0; j < Q4_GROUP; j++) t += (float)qr[Q4_GROUP * g + j] * x[Q4_GROUP * g + j];
+            acc += dd[(int64_t)o * ng + g] * t;
+        }
+        y[o] = acc;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static void gemv_q8_avx2(const int8_t *qs, const float *dd, const float *x, float *y, int N, int K) {
+    const int ng = K / Q4_GROUP;
+    for (int o = 0; o < N; o += 2) {
+        const int two = o + 1 < N;
+        const int8_t *q0 = qs + (int64_t)o * K, *q1 = two ? q0 + K : q0;
+        const float *d0 = dd + (int64_t)o * ng, *d1 = two ? d0 + ng : d0;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int g = 0; g < ng; g++) {
+            const float *xg = x + Q4_GROUP * g;
+            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
+                         x3 = _mm256_loadu_ps(xg + 24);
+#define Q8_LOAD(QR, I) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((QR) + Q4_GROUP * g + 8 * (I)))))
+#define Q8_DOT(QR, DR, ACC)                                                                                           \
+    do {                                                                                                              \
+        __m256 t = _mm256_mul_ps(Q8_LOAD(QR, 0), x0);                                                                 \
+        t = _mm256_fmadd_ps(Q8_LOAD(QR, 1), x1, t);                                                                   \
+        t = _mm256_fmadd_ps(Q8_LOAD(QR, 2), x2, t);                                                                   \
+        t = _mm256_fmadd_ps(Q8_LOAD(QR, 3), x3, t);                                                                   \
+        ACC = _mm256_fmadd_ps(t, _mm256_broadcast_ss((DR) + g), ACC);                                                 \
+    } while (0)
+            Q8_DOT(q0, d0, a0);
+            if (two) Q8_DOT(q1, d1, a1);
+#undef Q8_DOT
+#undef Q8_LOAD
+        }
+        y[o] = hsum8(a0);
+        if (two) y[o + 1] = hsum8(a1);
+    }
+}
+#endif
+
+typedef struct {
+    const int8_t *qs;
+    const float *d, *x;
+    float *y;
+    int N, K, portable;
+} q8_job;
+
+static void q8_part(void *p, int part, int parts) {
+    const q8_job *j = (const q8_job *)p;
+    const int pairs = (j->N + 1) / 2, lo = pairs * part / parts * 2, hi0 = pairs * (part + 1) / parts * 2;
+    const int hi = hi0 < j->N ? hi0 : j->N, ng = j->K / Q4_GROUP;
+    if (hi <= lo) return;
+    const int8_t *qs = j->qs + (int64_t)lo * j->K;
+    const float *d = j->d + (int64_t)lo * ng;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!j->portable) {
+        gemv_q8_avx2(qs, d, j->x, j->y + lo, hi - lo, j->K);
+        return;
+    }
+#endif
+    gemv_q8_portable(qs, d, j->x, j->y + lo, hi - lo, j->K);
+}
+
+/* y [N] = the Q8_0 blocks times x [K] fp32: 0 done, 1 K not a multiple of 32. */
+int modeld_gemv_q8(const int8_t *qs, const float *d, const float *x, float *y, int N, int K, int portable,
+                   int threads) {
+    if (K % Q4_GROUP || N < 1) return 1;
+    q8_job j = {qs, d, x, y, N, K, portable};
+    pool_run(q8_part, &j, threads);
+    return 0;
+}
+
 /* 1 where this build has the AVX2 + FMA Q4_1 loop, else 0 */
 int modeld_gemv_q4_isa(void) {
 #if defined(__AVX2__) && defined(__FMA__)

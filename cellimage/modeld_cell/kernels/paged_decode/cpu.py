@@ -167,6 +167,8 @@ def _load(cache_dir: str | None) -> dict[str, Any]:
     lib.modeld_gemv_q4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.modeld_gemv_q4.restype = ctypes.c_int
     lib.modeld_gemv_q4_isa.restype = ctypes.c_int
+    lib.modeld_gemv_q8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.modeld_gemv_q8.restype = ctypes.c_int
     lib.modeld_decode_layers.restype = ctypes.c_int
     _lib = lib
     try:
@@ -271,12 +273,30 @@ def gemv_q4(qs: Tensor, d: Tensor, m: Tensor, x: Tensor, portable: bool = False,
     return y
 
 
+def gemv_q8(qs: Tensor, d: Tensor, x: Tensor, portable: bool = False, threads: int = 1) -> Tensor:
+    """y [N] fp32 = the Q8_0 blocks (quantize.q8_0_blocks: qs [N, K] int8, d [N, K/32] fp32) times x [K] fp32, as
+    the layer step's head computes it."""
+    if _lib is None:
+        raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
+    n, k = qs.shape
+    if qs.dtype != torch.int8 or x.shape != (k,) or x.dtype != torch.float32 or k % 32 or d.shape != (n, k // 32) \
+            or d.dtype != torch.float32:
+        raise ValueError(f"gemv_q8 takes qs [N, K] int8, d [N, K/32] fp32 and x [K] fp32 (K a multiple of 32), got "
+                         f"{tuple(qs.shape)} {qs.dtype}, {tuple(d.shape)} {d.dtype}, {tuple(x.shape)} {x.dtype}")
+    qs, d, x = qs.contiguous(), d.contiguous(), x.contiguous()
+    y = torch.empty(n, dtype=torch.float32)
+    rc = _lib.modeld_gemv_q8(qs.data_ptr(), d.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, int(portable), threads)
+    if rc != 0:
+        raise RuntimeError(f"modeld_gemv_q8 returned {rc} for N={n}, K={k}")
+    return y
+
+
 def gemv_q4_check() -> dict[str, float]:
-    """The loaded Q4_1 row linear against the blocks dequantized (quantize.dequantize_q4_1) times x in fp64, on
-    seeded inputs: odd and even row counts, one group and many, the build's loop (one thread and two) and the
-    portable one. Raises AssertionError naming the case past CHECK_TOL[fp32]; returns the largest relative error
-    (key ``gemv_q4``)."""
-    from modeld_cell.quantize import dequantize_q4_1, q4_1_blocks, quantize_q4_1
+    """The loaded Q4_1 and Q8_0 row linears against their blocks dequantized (quantize.dequantize_q4_1, d * q) times x
+    in fp64, on seeded inputs: odd and even row counts, one group and many, the build's loop (one thread and two)
+    and the portable one. Raises AssertionError naming the case past CHECK_TOL[fp32]; returns the largest relative
+    error (key ``gemv_q4``)."""
+    from modeld_cell.quantize import dequantize_q4_1, q4_1_blocks, q8_0_blocks, quantize_q4_1
 
     g = torch.Generator().manual_seed(2)
     worst = 0.0
@@ -290,6 +310,15 @@ def gemv_q4_check() -> dict[str, float]:
             err = float((got - want).abs().max() / want.abs().max())
             if not err <= CHECK_TOL[torch.float32]:
                 raise AssertionError(f"gemv_q4 N={n} K={k} portable={portable} threads={threads}: relative error "
+                                     f"{err:.3g} over {CHECK_TOL[torch.float32]}")
+            worst = max(worst, err)
+        q8, d8 = q8_0_blocks(w)
+        want = (q8.view(n, k // 32, 32).double() * d8.double()[..., None]).view(n, k) @ x.double()
+        for portable, threads in ((False, 1), (True, 1), (False, 2)):
+            got = gemv_q8(q8, d8, x, portable, threads).double()
+            err = float((got - want).abs().max() / want.abs().max())
+            if not err <= CHECK_TOL[torch.float32]:
+                raise AssertionError(f"gemv_q8 N={n} K={k} portable={portable} threads={threads}: relative error "
                                      f"{err:.3g} over {CHECK_TOL[torch.float32]}")
             worst = max(worst, err)
     return {"gemv_q4": round(worst, 8)}
