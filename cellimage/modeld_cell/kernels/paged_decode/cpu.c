@@ -177,13 +177,114 @@ static void range_any(const void *q, const void *kc, const void *vc, const int32
         range_avx512(q, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, s, b_lo, b_hi, o, m, l);
 }
 
-static int avx512_takes(int hq, int hkv, int d) { return d % 16 == 0 && d <= 256 && hq / hkv <= MAX_G; }
+static int range_takes(int hq, int hkv, int d) { return d % 16 == 0 && d <= 256 && hq / hkv <= MAX_G; }
+#define HAVE_RANGE 1
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 + FMA (no AVX-512): range_avx512's contract, 8 lanes. Scores 8 keys at a time (one accumulator a key over D,
+ * reduced by a transposing add), the probabilities' P.V over a slab of SW 8-lane chunks of D for the G rows at a time
+ * (G * SW accumulators in registers). */
+static inline __m256 load8(const void *p, int64_t off, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + off))), 16));
+    return _mm256_loadu_ps((const float *)p + off);
+}
+
+/* lane i: the sum of a[i]'s 8 lanes */
+static inline __m256 hsum8x8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* o[r][c0 .. c0 + SW) (8-lane chunks of D) = sum over the range's tokens of p[r][t] v[t], G rows */
+static inline __attribute__((always_inline)) void pv_slab(const int G, const int SW, const void *vc,
+                                                         const int32_t *table, int64_t bs, int64_t ts, int64_t hoff,
+                                                         int64_t t_lo, int64_t t_hi, const float *s, int64_t n, int c0,
+                                                         int kv_bf16, float *o, int d) {
+    __m256 acc[8][12];
+    for (int r = 0; r < G; r++)
+        for (int c = 0; c < SW; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t t = t_lo; t < t_hi; t++) {
+        const int64_t base = ((int64_t)table[t / bs] * bs + t % bs) * ts + hoff + 8 * c0;
+        __m256 v[12];
+        for (int c = 0; c < SW; c++) v[c] = load8(vc, base + 8 * c, kv_bf16);
+        for (int r = 0; r < G; r++) {
+            const __m256 p = _mm256_broadcast_ss(s + (int64_t)r * n + t);
+            for (int c = 0; c < SW; c++) acc[r][c] = _mm256_fmadd_ps(p, v[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < G; r++)
+        for (int c = 0; c < SW; c++) _mm256_storeu_ps(o + (int64_t)r * d + 8 * (c0 + c), acc[r][c]);
+}
+
+static void range_avx2(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t bs,
+                       int hq, int hkv, int d, float scale, int kv_bf16, int q_bf16, float *s, int64_t b_lo,
+                       int64_t b_hi, float *o_out, float *m_out, float *l_out) {
+    const int g = hq / hkv, nv = d / 8;
+    const int64_t ts = (int64_t)hkv * d;
+    const int64_t t_lo = b_lo * bs, t_hi = (b_hi * bs < n ? b_hi * bs : n);
+    const int sw = g * 4 <= 12 && nv % 4 == 0 ? 4 : g * 2 <= 12 && nv % 2 == 0 ? 2 : 1;
+    float qf[MAX_G * 256] __attribute__((aligned(32)));
+    for (int h = 0; h < hkv; h++) {
+        for (int r = 0; r < g; r++)
+            for (int i = 0; i < d; i++) qf[r * d + i] = load1(q, (int64_t)(h * g + r) * d + i, q_bf16) * scale;
+        for (int64_t t = t_lo; t < t_hi; t += 8) {
+            const int nk = t_hi - t < 8 ? (int)(t_hi - t) : 8;
+            int64_t base[8];
+            for (int j = 0; j < nk; j++)
+                base[j] = ((int64_t)table[(t + j) / bs] * bs + (t + j) % bs) * ts + (int64_t)h * d;
+            for (int r = 0; r < g; r++) {
+                __m256 acc[8];
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+                for (int c = 0; c < nv; c++) {
+                    const __m256 qv = _mm256_load_ps(qf + r * d + 8 * c);
+                    for (int j = 0; j < nk; j++) acc[j] = _mm256_fmadd_ps(qv, load8(kc, base[j] + 8 * c, kv_bf16), acc[j]);
+                }
+                float sums[8] __attribute__((aligned(32)));
+                _mm256_store_ps(sums, hsum8x8(acc));
+                for (int j = 0; j < nk; j++) s[(int64_t)r * n + t + j] = sums[j];
+            }
+        }
+        for (int r = 0; r < g; r++)
+            l_out[h * g + r] = exp_range(s + (int64_t)r * n + t_lo, t_hi - t_lo, m_out + h * g + r);
+        float *o = o_out + (int64_t)h * g * d;
+        for (int c0 = 0; c0 < nv; c0 += sw) {
+#define SLAB(G, SW) pv_slab(G, SW, vc, table, bs, ts, (int64_t)h * d, t_lo, t_hi, s, n, c0, kv_bf16, o, d)
+            switch (g * 16 + sw) { /* the compiler unrolls each (rows, slab) pair */
+            case 1 * 16 + 4: SLAB(1, 4); break;
+            case 2 * 16 + 4: SLAB(2, 4); break;
+            case 3 * 16 + 4: SLAB(3, 4); break;
+            case 1 * 16 + 2: SLAB(1, 2); break;
+            case 2 * 16 + 2: SLAB(2, 2); break;
+            case 3 * 16 + 2: SLAB(3, 2); break;
+            case 4 * 16 + 2: SLAB(4, 2); break;
+            case 5 * 16 + 2: SLAB(5, 2); break;
+            case 6 * 16 + 2: SLAB(6, 2); break;
+            default: SLAB(g, 1); break;
+            }
+#undef SLAB
+        }
+    }
+}
+
+static void range_any(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t bs,
+                      int hq, int hkv, int d, float scale, int kv_bf16, int q_bf16, float *s, int64_t b_lo,
+                      int64_t b_hi, float *o, float *m, float *l) {
+    range_avx2(q, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, s, b_lo, b_hi, o, m, l);
+}
+
+static int range_takes(int hq, int hkv, int d) { return d % 8 == 0 && d <= 256 && hq / hkv <= MAX_G; }
+#define HAVE_RANGE 1
 #endif
 
-/* 1 where this build has the AVX-512 path, else 0 (the capability report names which path serves) */
+/* 1 where this build has the AVX-512 path, 2 the AVX2 one, else 0 (the capability report names which path serves) */
 int modeld_paged_decode_isa(void) {
 #if defined(__AVX512F__)
     return 1;
+#elif defined(HAVE_RANGE)
+    return 2;
 #else
     return 0;
 #endif
@@ -202,8 +303,8 @@ int modeld_paged_decode(const void *q, void *out, const void *k_cache, const voi
         scratch = p;
         cap = need;
     }
-#if defined(__AVX512F__)
-    if (avx512_takes(hq, hkv, d)) {
+#if defined(HAVE_RANGE)
+    if (range_takes(hq, hkv, d)) {
         float o[MAX_HD], m[MAX_HD], l[MAX_HD];
         range_any(q, k_cache, v_cache, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, scratch, 0, (n + bs - 1) / bs,
                   o, m, l);
@@ -450,7 +551,7 @@ typedef struct {
     float scale, *s, *o, *m, *l; /* o [parts, Hq, D], m and l [parts, Hq] */
 } attend_job;
 
-#if defined(__AVX512F__)
+#if defined(HAVE_RANGE)
 static void attend_part(void *p, int part, int parts) { /* the row's blocks split in parts */
     const attend_job *j = (const attend_job *)p;
     const int64_t nblk = (j->n + j->bs - 1) / j->bs, lo = nblk * part / parts, hi = nblk * (part + 1) / parts;
@@ -468,11 +569,11 @@ static void attend_part(void *p, int part, int parts) { /* the row's blocks spli
 static int attend_threads(const void *q, void *out, const void *kc, const void *vc, const int32_t *table, int64_t n,
                           int64_t bs, int hq, int hkv, int d, float scale, int kv_bf16, int q_bf16, int threads,
                           float *work) {
-#if defined(__AVX512F__)
+#if defined(HAVE_RANGE)
     const int64_t nblk = (n + bs - 1) / bs;
     int parts = threads;
     while (parts > 1 && nblk / parts < ATTEND_MIN_BLOCKS) parts--;
-    if (avx512_takes(hq, hkv, d) && parts > 1) {
+    if (range_takes(hq, hkv, d) && parts > 1) {
         const int64_t hd = (int64_t)hq * d;
         float *o = work + (int64_t)hq * n, *m = o + parts * hd, *l = m + (int64_t)parts * hq;
         attend_job j = {q, kc, vc, table, n, bs, hq, hkv, d, kv_bf16, q_bf16, scale, work, o, m, l};

@@ -104,7 +104,8 @@ def _cpu_id() -> str:
 
 def load(cache_dir: str | None) -> dict[str, Any]:
     """Build (or find built) and load the kernel, then check it against the reference. Returns the report:
-    ``loaded`` (bool), ``reason``, and when loaded ``isa`` (avx512 | portable), ``compiler``, ``library``,
+    ``loaded`` (bool), ``reason``, and when loaded ``isa`` (avx512 | avx2 | portable: the attention and dense row
+    linear's loop; ``q4_isa``, avx2 | portable: the Q4_1 and Q8_0 row linears'), ``compiler``, ``library``,
     ``built_s`` (0 when found built), ``check`` (max error per dtype). Thread-safe; the first success stays."""
     global _lib, _report
     with _lock:
@@ -179,7 +180,7 @@ def _load(cache_dir: str | None) -> dict[str, Any]:
         _lib = None
         return {"loaded": False, "reason": f"the built kernel failed its check against the reference: {e}"}
     return {"loaded": True, "reason": "built and checked against reference.paged_decode and F.linear", "isa":
-            "avx512" if lib.modeld_paged_decode_isa() else "portable",
+            {1: "avx512", 2: "avx2"}.get(lib.modeld_paged_decode_isa(), "portable"),
             "q4_isa": "avx2" if lib.modeld_gemv_q4_isa() else "portable", "compiler": version.splitlines()[0][:120],
             "library": str(lib_path), "built_s": round(built_s, 2), "check": check}
 
