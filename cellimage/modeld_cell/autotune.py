@@ -61,6 +61,7 @@ AUTOTUNE_VERSION = 6                         # 2: dense candidates packed as ser
                                              #    ranked at the count the served step takes (rank)
                                              # 6: a dense candidate's decode also timed as the whole-layer C step
                                              #    (decode_step.KernelDecode) where that step may serve it
+                                             # (the key names ``blocks`` where that step reads a Q4_1 file's blocks)
 COLD_BYTES = 256 << 20                       # at most this many bytes of layer copies for the decode figure
 TURN_PREFILL, TURN_DECODE = 700, 32          # the agent turn benchmarks/peers_cpu.py replays (tokens)
 PREFILL_ROWS, PREFILL_PAST, DECODE_PAST = 256, 768, 1024
@@ -154,26 +155,34 @@ def _layer_modules(args: Any, kernel: str, dtype: torch.dtype, g: torch.Generato
     return mods[:4], (mods[4] if head else None)
 
 
-def _layer_step_ms(args: Any, dtype: torch.dtype, g: torch.Generator, copies: int, reps: int) -> dict[str, float]:
+def _layer_step_ms(args: Any, dtype: torch.dtype, g: torch.Generator, copies: int, reps: int,
+                   blocks: str | None = None) -> dict[str, float]:
     """A dense candidate's decode step as the whole-layer C step serves it (kernels/paged_decode/cpu.c
     ``modeld_decode_layers``, its linears and the attention's keys split over the process's threads, then the head
     by the same row linear): ``copies`` layers of plain random weights and DECODE_PAST cached keys each, one call,
-    scaled to the model's layers, plus the head. Milliseconds: ``layers``, ``head``, ``step``."""
+    scaled to the model's layers, plus the head. ``blocks`` ("q4_1", or "q4_1+q8_0" with the head): the step reads
+    the file's Q4_1 blocks of the layers (and its Q8_0 head) instead, as the loader gives them to it where the file
+    stores them so (decode_step.q4_blocks). Milliseconds: ``layers``, ``head``, ``step``."""
     import ctypes
 
     from .kernels.paged_decode import cpu as cpu_kernels
+    from .quantize import q4_1_blocks, q8_0_blocks
 
     hq, hkv, d, dim, inter = args.n_heads, args.n_kv_heads, args.head_dim, args.dim, args.intermediate_size
     bs = 16
     n = DECODE_PAST
     nblk = (n + bs - 1) // bs
     held: list[torch.Tensor] = []
+    q4 = blocks is not None
     for _ in range(copies):
         lins, _ = _layer_modules(args, "dense", dtype, g, head=False)
-        held += [torch.ones(dim, dtype=dtype), torch.ones(dim, dtype=dtype), *(lin.weight.detach() for lin in lins),
+        ws = [b for lin in lins for b in q4_1_blocks(lin.weight.detach().float())] if q4 else [
+            lin.weight.detach() for lin in lins]
+        held += [torch.ones(dim, dtype=dtype), torch.ones(dim, dtype=dtype), *ws,
                  torch.randn(nblk, bs, hkv, d, generator=g).to(dtype), torch.randn(nblk, bs, hkv, d, generator=g).to(dtype)]
     ptrs = (ctypes.c_void_p * len(held))(*[t.data_ptr() for t in held])
     head_w = (torch.randn(args.vocab_size, dim, generator=g) * 0.02).to(dtype)
+    head_q8 = q8_0_blocks(head_w.float()) if blocks == "q4_1+q8_0" else None
     x0 = torch.randn(dim, generator=g).to(dtype).float()
     cos, ssin = torch.ones(d), torch.zeros(d)
     table = torch.arange(nblk, dtype=torch.int32)
@@ -183,17 +192,21 @@ def _layer_step_ms(args: Any, dtype: torch.dtype, g: torch.Generator, copies: in
     def step() -> None:
         x = x0.clone()
         cpu_kernels.decode_layers(x, ptrs, copies, cos, ssin, n - 1, table, n, bs, (dim, hq, hkv, d, inter), 1e-5,
-                                  1.0 / math.sqrt(d), bf16, bf16, threads)
+                                  1.0 / math.sqrt(d), bf16, bf16, threads, q4)
 
     layers = _median_ms(step, reps * 3) * args.n_layers / copies
     xh = torch.randn(dim, generator=g).to(dtype)
-    head = _median_ms(lambda: cpu_kernels.gemv(head_w, xh, threads=threads), reps)
+    if head_q8 is not None:
+        head = _median_ms(lambda: cpu_kernels.gemv_q8(*head_q8, xh.float(), threads=threads), reps)
+    else:
+        head = _median_ms(lambda: cpu_kernels.gemv(head_w, xh, threads=threads), reps)
     return {"layers": round(layers, 3), "head": round(head, 3), "step": round(layers + head, 3)}
 
 
 @torch.inference_mode()
 def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | None = None,
-            pack: bool = False, best_turn_ms: float | None = None, layer_step: bool = False) -> dict[str, Any]:
+            pack: bool = False, best_turn_ms: float | None = None, layer_step: bool = False,
+            blocks: str | None = None) -> dict[str, Any]:
     """One candidate's figures (milliseconds, whole model: a layer's times x layers, plus the head; the decode step's
     layer time is the mean over ``layer_copies`` distinct copies, each with its own weights and cached keys), the
     decode step at the process count and at one thread (``decode_ms_by_threads``; one thread's with the head at the
@@ -204,7 +217,8 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | 
     timed: ``prefill_ms_per_token`` and ``turn_ms`` are then None and ``pruned``
     says why. ``layer_step`` (a dense candidate): its decode is also timed as the whole-layer C step
     (``_layer_step_ms``, whose own threads serve whatever torch's count), recorded as ``layer_step_ms``; each
-    thread count's decode figure is then the faster of the two, as the runner serves the faster at start."""
+    thread count's decode figure is then the faster of the two, as the runner serves the faster at start;
+    ``blocks``: that step reads the file's blocks (``_layer_step_ms``)."""
     from .model import _segmented_attention, linears_row_invariant, settle_packed_rows
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -257,7 +271,7 @@ def measure(args: Any, kernel: str, dtype_name: str, reps: int = 5, head: str | 
     # at one thread, the head at whichever count is faster: runner.choose_decode_threads may run it at the process
     # count while the layers take one
     by_threads = {str(c): round(layers_ms[c] + (head_ms if c == n else min(head_at.values())), 3) for c in layers_ms}
-    step_ms = _layer_step_ms(args, dtype, g, copies, reps) if layer_step and kernel == "dense" else None
+    step_ms = _layer_step_ms(args, dtype, g, copies, reps, blocks) if layer_step and kernel == "dense" else None
     if step_ms is not None:
         by_threads = {c: round(min(v, step_ms["step"]), 3) for c, v in by_threads.items()}
     decode = by_threads[str(n)]
@@ -369,7 +383,7 @@ def other_busy_cores(busy0: float | None, own0: float, wall0: float) -> float | 
 
 
 def _key(args: Any, cands: list[tuple[str, str]], threads: int, head: str | None, pack: bool = False,
-         layer_step: bool = False) -> str:
+         layer_step: bool = False, blocks: str | None = None) -> str:
     shapes = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                             "intermediate_size", "vocab_size")}
     payload = {"v": AUTOTUNE_VERSION, "hardware": hardware("cpu"), "threads": threads, "shapes": shapes,
@@ -377,19 +391,22 @@ def _key(args: Any, cands: list[tuple[str, str]], threads: int, head: str | None
     if layer_step:                      # (absent otherwise: the key of a measurement without it is unchanged)
         from .kernels.paged_decode import cpu as cpu_kernels
         payload["layer_step"] = hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()[:16]
+        if blocks is not None:
+            payload["blocks"] = blocks
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto", head: str | None = None,
            kernel_ok: bool = True, pack: bool = False, decode_threads: int | None = None,
-           layer_step: bool = False) -> Choice:
+           layer_step: bool = False, blocks: str | None = None) -> Choice:
     """The compute path for ``profile.weights`` = ``weights`` on this CPU. ``forced`` (MODELD_WEIGHTS_PATH) names
     one candidate (``kernel-dtype``) to take without measuring; one that does not serve ``weights`` here is refused.
     ``head``: a quantized candidate's head kernel (quantize.head_kernel; None: the candidate's own).
     ``decode_threads`` (MODELD_DECODE_THREADS as a count): the count a one-session step decodes at; None (auto):
     the count an earlier start's step measured (record_decode_threads), else the process count; the loader ranks
     again at the count the served step then takes (loader.load_engine). ``layer_step``: the whole-layer C step may
-    serve a dense path's decode (loader._layer_step_may_serve): it is timed too (``measure``)."""
+    serve a dense path's decode (loader._layer_step_may_serve): it is timed too (``measure``), reading the file's
+    ``blocks`` where it stores its layers so ("q4_1", "q4_1+q8_0" with its head)."""
     cands = candidates(weights, bf16_computes(), kernel_ok)
     names = [f"{k}-{d}" for k, d in cands]
     if forced != "auto":
@@ -403,7 +420,7 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         k, d = cands[0]
         return Choice(k, d, f"profile.weights {weights} pins it", [])
     threads = torch.get_num_threads()
-    key = _key(args, cands, threads, head, pack, layer_step)
+    key = _key(args, cands, threads, head, pack, layer_step, blocks if layer_step else None)
     path = os.path.join(cache_dir, "autotune", f"{key}.json") if cache_dir else None
     rec = read_measurement(path, key, "candidates", list)
     if rec is not None and (rec.get("others_busy_cores") or 0) > MAX_OTHERS_BUSY and quiet_now():
@@ -415,7 +432,7 @@ def choose(args: Any, weights: str, cache_dir: str | None, forced: str = "auto",
         for k, d in cands:
             turns = [min(r["turn_ms_by_threads"].values()) for r in figures if r["turn_ms"] is not None]
             figures.append(measure(args, k, d, head=head, pack=pack, best_turn_ms=min(turns) if turns else None,
-                                   layer_step=layer_step))
+                                   layer_step=layer_step, blocks=blocks))
         rec = {"key": key, "candidates": figures, "threads": threads,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         busy = other_busy_cores(busy0, own0, wall0)

@@ -161,15 +161,18 @@ def choose_weights_path(cfg: CellConfig, args: Any, settings: EngineSettings | N
             dense.discard("output")
     # a file that stores a layer's linears in another format than the kernel's: its dense paths only
     kernel_ok = not (dense - {"output"})
-    choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head=head, kernel_ok=kernel_ok,
-                             pack=settings is None or settings.pack_weights,
-                             decode_threads=settings.decode_threads if settings is not None else None,
-                             layer_step=_layer_step_may_serve(settings, cache_dir))
-    cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
-    cfg.weights_head = head if choice.kernel != "dense" else None
+    # the file's own blocks, which the CPU layer step may read for a dense path's decode (loader._build_engine)
     cfg.weights_blocks = kernel == "q4_1" and kernel_ok
     cfg.weights_head_blocks = cfg.weights_blocks and stored_as is not None and stored_as.get(
         "model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight") in HEAD_INT8_FROM
+    choice = autotune.choose(args, cfg.weights_storage, cache_dir, forced, head=head, kernel_ok=kernel_ok,
+                             pack=settings is None or settings.pack_weights,
+                             decode_threads=settings.decode_threads if settings is not None else None,
+                             layer_step=_layer_step_may_serve(settings, cache_dir),
+                             blocks=("q4_1+q8_0" if cfg.weights_head_blocks else "q4_1") if cfg.weights_blocks
+                             else None)
+    cfg.weights, cfg.weights_kernel, cfg.weights_choice = choice.dtype, choice.kernel, choice.to_dict()
+    cfg.weights_head = head if choice.kernel != "dense" else None
     return dense, head
 
 

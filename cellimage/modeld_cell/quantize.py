@@ -276,10 +276,15 @@ def quantize_model(model: nn.Module, fmt: str, dtype: torch.dtype, dense: set[st
 
 
 def weights_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take as served: parameters plus the quantized modules' buffers (not RoPE tables)."""
+    """Bytes the model's weights take as served: parameters plus the quantized modules' buffers (not RoPE tables),
+    plus the file's blocks a CPU decode step reads beside them (``decode_blocks``, ``decode_head_blocks``: the
+    loader's, kept where that step serves)."""
     seen: set[int] = set()
     total = 0
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    blocks = getattr(model, "decode_blocks", None) or []
+    extra = [t for layer in blocks for lin in layer for t in lin] + list(getattr(model, "decode_head_blocks", None)
+                                                                         or ())
+    for name, t in [*model.named_parameters(), *model.named_buffers(), *(("decode_blocks", t) for t in extra)]:
         if name.startswith("rope_") or t is None or id(t) in seen:
             continue
         seen.add(id(t))

@@ -462,19 +462,23 @@ def test_the_q4_layer_step_reads_its_blocks_whatever_the_dense_layout() -> None:
 
 def test_the_q4_layer_step_is_timed_with_the_others_and_its_blocks_kept_only_where_it_serves() -> None:
     """The test's own prices: with Q4_1 blocks on the model, the runner times the Q4_1 layer step beside the flash,
-    kernel and dense layer steps; the fastest serves, and the model keeps its blocks only where that is the Q4_1
-    step. "on" takes the Q4_1 step untimed."""
+    kernel and dense layer steps; the fastest serves, and the model keeps its blocks (counted in its weights as
+    served) only where that is the Q4_1 step. "on" takes the Q4_1 step untimed."""
+    from modeld_cell.quantize import weights_bytes
     _kernel()
     for q4_ms, served in ((0.5, "layers-q4"), (3.0, "layers")):
         r = _Priced(exact_ms=12.0, recompute_ms=4.0, kernel_ms=2.0, layers_ms=1.0, q4_ms=q4_ms, prefill_ms=0.1)
         _q4_representable(r.model)
+        dense = weights_bytes(r.model)
         r.model.decode_blocks = DS.q4_blocks(r.model)
+        assert weights_bytes(r.model) > dense                   # the blocks are weights as served while held
         rep = r.choose_decoded_kv("auto", reps=3, context=32)
         att = rep["attention"]
         assert set(att["median_ms"]) == {"flash", "kernel", "layers", "layers-q4"} and att["served"] == served
         assert isinstance(r.recompute_step, DS.KernelDecode)
         assert (r.recompute_step.blocks is not None) == (served == "layers-q4")
         assert (r.model.decode_blocks is not None) == (served == "layers-q4")
+        assert (weights_bytes(r.model) > dense) == (served == "layers-q4")
     r = _Priced(exact_ms=12.0, recompute_ms=4.0, prefill_ms=0.1)
     r.model.decode_blocks = DS.q4_blocks(_q4_representable(r.model))
     rep = r.choose_decoded_kv("recompute", kernels="on")

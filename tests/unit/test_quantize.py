@@ -351,6 +351,14 @@ def test_a_dense_candidate_is_also_timed_as_the_whole_layer_step_where_it_may_se
     assert set(fast["decode_ms_by_threads"].values()) == {0.001}
     cands = [("dense", "fp32"), ("dense", "bf16")]
     assert autotune._key(TINY, cands, 2, None) != autotune._key(TINY, cands, 2, None, layer_step=True)
+    # a file that stores its layers in Q4_1 (and its head in Q8_0): the step is timed reading those blocks, under
+    # another key
+    monkeypatch.undo()
+    for blocks in ("q4_1", "q4_1+q8_0"):
+        r = autotune.measure(TINY, "dense", "fp32", reps=1, layer_step=True, blocks=blocks)
+        assert r["layer_step_ms"]["step"] > 0
+        assert autotune._key(TINY, cands, 2, None, layer_step=True, blocks=blocks) != \
+            autotune._key(TINY, cands, 2, None, layer_step=True)
 
 
 def test_a_quantized_candidate_times_the_head_it_will_serve():
