@@ -180,6 +180,17 @@ async def test_an_exact_cell_keeps_decoded_tokens(engine, make_engine):
     assert tr.tokens_computed == 1 + 2
 
 
+async def _decode_then_append(eng: Engine) -> None:
+    """45 tokens prefilled, 12 decoded by the served step, 5 appended: the decoded ones are recomputed with the
+    append, and the continuation is held to a cold prefill."""
+    await eng.ensure_prefix("a", _prompt(eng, 45))
+    ids, _, _ = await generate(eng, "a", 12, ignore_eos=True)
+    assert len(ids) == 12 and eng._sessions["a"].recompute_from == 45
+    tr = await eng.prefill_suffix("a", _prompt(eng, 50)[45:])
+    assert tr.tokens_computed == 12 + 5
+    await _assert_cold(eng, "a", "after-suffix")
+
+
 @pytest.mark.skipif(KERNELS == "off", reason="no C compiler on PATH: the CPU kernels are off")
 async def test_the_whole_layer_step_serves_a_cell_whose_loader_kept_the_weights_plain(smollm2_path):
     """A cell loaded with MODELD_CPU_KERNELS=on and MODELD_DECODED_KV=recompute: the loader keeps the dense layer
@@ -198,13 +209,7 @@ async def test_the_whole_layer_step_serves_a_cell_whose_loader_kept_the_weights_
                                                           "(MODELD_CPU_KERNELS=on)")
         assert isinstance(eng.runner.recompute_step, DS.KernelDecode)
         assert rep["runtime"]["decoded_kv"]["attention"]["served"] == "layers"
-        p = _prompt(eng, 45)
-        await eng.ensure_prefix("a", p)
-        ids, _, _ = await generate(eng, "a", 12, ignore_eos=True)
-        assert len(ids) == 12 and eng._sessions["a"].recompute_from == 45
-        tr = await eng.prefill_suffix("a", _prompt(eng, 50)[45:])
-        assert tr.tokens_computed == 12 + 5
-        await _assert_cold(eng, "a", "after-suffix")
+        await _decode_then_append(eng)
     finally:
         eng.shutdown()
 
@@ -230,12 +235,6 @@ async def test_the_q4_layer_step_serves_a_q4_1_cell_computed_dense(smollm2_path)
         assert isinstance(step, DS.KernelDecode) and step.blocks is not None
         assert step.blocks is eng.model.decode_blocks and rt["decoded_kv"]["attention"]["served"] == "layers-q4"
         assert step.head_blocks is not None          # the file keeps its tied embedding table (the head) in Q8_0
-        p = _prompt(eng, 45)
-        await eng.ensure_prefix("a", p)
-        ids, _, _ = await generate(eng, "a", 12, ignore_eos=True)
-        assert len(ids) == 12 and eng._sessions["a"].recompute_from == 45
-        tr = await eng.prefill_suffix("a", _prompt(eng, 50)[45:])
-        assert tr.tokens_computed == 12 + 5
-        await _assert_cold(eng, "a", "after-suffix")
+        await _decode_then_append(eng)
     finally:
         eng.shutdown()

@@ -341,6 +341,23 @@ def test_the_cpu_kernel_required_but_not_loadable_is_fatal(monkeypatch: pytest.M
 
 # ---- the whole-layer C step (decode_step.KernelDecode): the recomputing step's function, in one call
 
+def _assert_steps_agree(r: TorchRunner, ref: DS.ScriptedDecode, step: DS.KernelDecode, dtype: torch.dtype) -> None:
+    """Three tokens past CONTEXT: ``step`` over a scattered block table against ``ref`` over a consecutive one, the
+    logits and the K/V written equal up to rounding (the linears' sums in another order), the same tokens picked."""
+    a, b, tok = _two_sessions(r)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    for i in range(3):
+        pos = CONTEXT + i
+        want = ref(tok, pos, b)
+        got = step(tok, pos, a)
+        assert got.shape == want.shape == (1, r.model.args.vocab_size) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, **tol)
+        assert int(got.argmax()) == int(want.argmax())
+        tok = int(want[0].argmax())
+    for x, y in zip(_kv_of(r, a), _kv_of(r, b), strict=True):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
 @pytest.mark.parametrize("threads", [1, 2], ids=lambda t: f"threads{t}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
 def test_the_layer_step_computes_the_recomputing_steps_function(dtype: torch.dtype, threads: int) -> None:
@@ -353,18 +370,7 @@ def test_the_layer_step_computes_the_recomputing_steps_function(dtype: torch.dty
     assert DS.layers_eligible(m, r.kv) is None
     ref = DS.ScriptedDecode(m, r.kv, exact=False, kernel=True)
     step = DS.KernelDecode(m, r.kv, threads)
-    a, b, tok = _two_sessions(r)
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
-    for i in range(3):
-        pos = CONTEXT + i
-        want = ref(tok, pos, b)
-        got = step(tok, pos, a)
-        assert got.shape == want.shape == (1, m.args.vocab_size) and got.dtype == torch.float32
-        torch.testing.assert_close(got, want, **tol)
-        assert int(got.argmax()) == int(want.argmax())
-        tok = int(want[0].argmax())
-    for x, y in zip(_kv_of(r, a), _kv_of(r, b), strict=True):
-        torch.testing.assert_close(x.float(), y.float(), **tol)
+    _assert_steps_agree(r, ref, step, dtype)
 
 
 def test_the_layer_step_takes_plain_dense_weights_only_and_follows_the_model() -> None:
@@ -422,18 +428,7 @@ def test_the_q4_layer_step_computes_the_recomputing_steps_function(dtype: torch.
     assert DS.layers_eligible(m, r.kv, blocks) is None
     ref = DS.ScriptedDecode(m, r.kv, exact=False, kernel=True)
     step = DS.KernelDecode(m, r.kv, threads, blocks, q8_0_blocks(m.output.weight.float()) if head else None)
-    a, b, tok = _two_sessions(r)
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
-    for i in range(3):
-        pos = CONTEXT + i
-        want = ref(tok, pos, b)
-        got = step(tok, pos, a)
-        assert got.shape == want.shape == (1, m.args.vocab_size) and got.dtype == torch.float32
-        torch.testing.assert_close(got, want, **tol)
-        assert int(got.argmax()) == int(want.argmax())
-        tok = int(want[0].argmax())
-    for x, y in zip(_kv_of(r, a), _kv_of(r, b), strict=True):
-        torch.testing.assert_close(x.float(), y.float(), **tol)
+    _assert_steps_agree(r, ref, step, dtype)
 
 
 def test_the_q4_layer_step_reads_its_blocks_whatever_the_dense_layout() -> None:

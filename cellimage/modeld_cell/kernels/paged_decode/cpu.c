@@ -643,45 +643,63 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* AVX2 + FMA (AVX-512 CPUs run it too): two rows at a time, sharing each group's x loads. */
-static void gemv_q4_avx2(const uint8_t *qs, const float *dd, const float *mm, const float *x, const float *xs,
-                         float *y, int N, int K) {
+/* One 32-weight group's codes times x's group (xv: 4 x 8 floats), in fp32: FMT 4, Q4_1's 16 bytes of nibbles
+ * (weight j low in byte j, weight j + 16 high); FMT 8, Q8_0's 32 signed bytes. */
+static inline __attribute__((always_inline)) __m256 group_dot(const int FMT, const char *row, int g,
+                                                             const __m256 xv[4]) {
+    __m256 w[4];
+    if (FMT == 4) {
+        const __m128i low = _mm_set1_epi8(15), b = _mm_loadu_si128((const __m128i *)(row + 16 * g));
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 32 * g + 8 * i))));
+    }
+    __m256 t = _mm256_mul_ps(w[0], xv[0]);
+    for (int i = 1; i < 4; i++) t = _mm256_fmadd_ps(w[i], xv[i], t);
+    return t;
+}
+
+/* AVX2 + FMA (AVX-512 CPUs run it too), FMT as group_dot: y[o] = sum_g d[o,g] (codes . x) (+ m[o,g] xs[g], Q4_1),
+ * two rows at a time sharing each group's x loads. */
+static inline __attribute__((always_inline)) void gemv_blocks_avx2(const int FMT, const void *qs, const float *dd,
+                                                                  const float *mm, const float *x, const float *xs,
+                                                                  float *y, int N, int K) {
     const int ng = K / Q4_GROUP;
-    const __m128i low = _mm_set1_epi8(15);
-    int o = 0;
-    for (; o < N; o += 2) {
+    const int64_t row = FMT == 4 ? K / 2 : K; /* bytes a row */
+    for (int o = 0; o < N; o += 2) {
         const int two = o + 1 < N;
-        const uint8_t *q0 = qs + (int64_t)o * (K / 2), *q1 = two ? q0 + K / 2 : q0;
+        const char *q0 = (const char *)qs + (int64_t)o * row, *q1 = two ? q0 + row : q0;
         const float *d0 = dd + (int64_t)o * ng, *d1 = two ? d0 + ng : d0;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         for (int g = 0; g < ng; g++) {
-            const float *xg = x + Q4_GROUP * g;
-            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
-                         x3 = _mm256_loadu_ps(xg + 24);
-#define Q4_DOT(QR, DR, ACC)                                                                                           \
-    do {                                                                                                              \
-        const __m128i b = _mm_loadu_si128((const __m128i *)((QR) + 16 * g));                                          \
-        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);                      \
-        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0);                                   \
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1, t);                  \
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, t);                                     \
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, t);                  \
-        ACC = _mm256_fmadd_ps(t, _mm256_broadcast_ss((DR) + g), ACC);                                                 \
-    } while (0)
-            Q4_DOT(q0, d0, a0);
-            if (two) Q4_DOT(q1, d1, a1);
-#undef Q4_DOT
+            __m256 xv[4];
+            for (int i = 0; i < 4; i++) xv[i] = _mm256_loadu_ps(x + Q4_GROUP * g + 8 * i);
+            a0 = _mm256_fmadd_ps(group_dot(FMT, q0, g, xv), _mm256_broadcast_ss(d0 + g), a0);
+            if (two) a1 = _mm256_fmadd_ps(group_dot(FMT, q1, g, xv), _mm256_broadcast_ss(d1 + g), a1);
         }
         for (int r = 0; r <= two; r++) {
-            const float *mr = mm + (int64_t)(o + r) * ng;
-            __m256 ma = _mm256_setzero_ps();
-            int g = 0;
-            for (; g + 8 <= ng; g += 8) ma = _mm256_fmadd_ps(_mm256_loadu_ps(mr + g), _mm256_loadu_ps(xs + g), ma);
-            float mt = hsum8(ma);
-            for (; g < ng; g++) mt += mr[g] * xs[g];
+            float mt = 0.f;
+            if (FMT == 4) {
+                const float *mr = mm + (int64_t)(o + r) * ng;
+                __m256 ma = _mm256_setzero_ps();
+                int g = 0;
+                for (; g + 8 <= ng; g += 8) ma = _mm256_fmadd_ps(_mm256_loadu_ps(mr + g), _mm256_loadu_ps(xs + g), ma);
+                mt = hsum8(ma);
+                for (; g < ng; g++) mt += mr[g] * xs[g];
+            }
             y[o + r] = hsum8(r ? a1 : a0) + mt;
         }
     }
+}
+
+static void gemv_q4_avx2(const uint8_t *qs, const float *dd, const float *mm, const float *x, const float *xs,
+                         float *y, int N, int K) {
+    gemv_blocks_avx2(4, qs, dd, mm, x, xs, y, N, K);
 }
 #endif
 
@@ -692,11 +710,19 @@ typedef struct {
     int N, K, portable;
 } q4_job;
 
-static void q4_part(void *p, int part, int parts) { /* rows in pairs, split as evenly as pairs allow */
+/* rows [lo, hi) of N for one part of parts: in pairs (the quantized loops' step), split as evenly as pairs allow */
+static int pair_share(int N, int part, int parts, int *lo, int *hi) {
+    const int pairs = (N + 1) / 2, h = pairs * (part + 1) / parts * 2;
+    *lo = pairs * part / parts * 2;
+    *hi = h < N ? h : N;
+    return *hi > *lo;
+}
+
+static void q4_part(void *p, int part, int parts) {
     const q4_job *j = (const q4_job *)p;
-    const int pairs = (j->N + 1) / 2, lo = pairs * part / parts * 2, hi0 = pairs * (part + 1) / parts * 2;
-    const int hi = hi0 < j->N ? hi0 : j->N, ng = j->K / Q4_GROUP;
-    if (hi <= lo) return;
+    int lo, hi;
+    if (!pair_share(j->N, part, parts, &lo, &hi)) return;
+    const int ng = j->K / Q4_GROUP;
     const uint8_t *qs = j->qs + (int64_t)lo * (j->K / 2);
     const float *d = j->d + (int64_t)lo * ng, *m = j->m + (int64_t)lo * ng;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -741,33 +767,7 @@ static void gemv_q8_portable(const int8_t *qs, const float *dd, const float *x, 
 
 #if defined(__AVX2__) && defined(__FMA__)
 static void gemv_q8_avx2(const int8_t *qs, const float *dd, const float *x, float *y, int N, int K) {
-    const int ng = K / Q4_GROUP;
-    for (int o = 0; o < N; o += 2) {
-        const int two = o + 1 < N;
-        const int8_t *q0 = qs + (int64_t)o * K, *q1 = two ? q0 + K : q0;
-        const float *d0 = dd + (int64_t)o * ng, *d1 = two ? d0 + ng : d0;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int g = 0; g < ng; g++) {
-            const float *xg = x + Q4_GROUP * g;
-            const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8), x2 = _mm256_loadu_ps(xg + 16),
-                         x3 = _mm256_loadu_ps(xg + 24);
-#define Q8_LOAD(QR, I) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((QR) + Q4_GROUP * g + 8 * (I)))))
-#define Q8_DOT(QR, DR, ACC)                                                                                           \
-    do {                                                                                                              \
-        __m256 t = _mm256_mul_ps(Q8_LOAD(QR, 0), x0);                                                                 \
-        t = _mm256_fmadd_ps(Q8_LOAD(QR, 1), x1, t);                                                                   \
-        t = _mm256_fmadd_ps(Q8_LOAD(QR, 2), x2, t);                                                                   \
-        t = _mm256_fmadd_ps(Q8_LOAD(QR, 3), x3, t);                                                                   \
-        ACC = _mm256_fmadd_ps(t, _mm256_broadcast_ss((DR) + g), ACC);                                                 \
-    } while (0)
-            Q8_DOT(q0, d0, a0);
-            if (two) Q8_DOT(q1, d1, a1);
-#undef Q8_DOT
-#undef Q8_LOAD
-        }
-        y[o] = hsum8(a0);
-        if (two) y[o + 1] = hsum8(a1);
-    }
+    gemv_blocks_avx2(8, qs, dd, NULL, x, NULL, y, N, K);
 }
 #endif
 
@@ -780,9 +780,9 @@ typedef struct {
 
 static void q8_part(void *p, int part, int parts) {
     const q8_job *j = (const q8_job *)p;
-    const int pairs = (j->N + 1) / 2, lo = pairs * part / parts * 2, hi0 = pairs * (part + 1) / parts * 2;
-    const int hi = hi0 < j->N ? hi0 : j->N, ng = j->K / Q4_GROUP;
-    if (hi <= lo) return;
+    int lo, hi;
+    if (!pair_share(j->N, part, parts, &lo, &hi)) return;
+    const int ng = j->K / Q4_GROUP;
     const int8_t *qs = j->qs + (int64_t)lo * j->K;
     const float *d = j->d + (int64_t)lo * ng;
 #if defined(__AVX2__) && defined(__FMA__)
