@@ -341,11 +341,13 @@ def test_the_cpu_kernel_required_but_not_loadable_is_fatal(monkeypatch: pytest.M
 
 # ---- the whole-layer C step (decode_step.KernelDecode): the recomputing step's function, in one call
 
-def _assert_steps_agree(r: TorchRunner, ref: DS.ScriptedDecode, step: DS.KernelDecode, dtype: torch.dtype) -> None:
+def _assert_steps_agree(r: TorchRunner, ref: DS.ScriptedDecode, step: DS.KernelDecode, dtype: torch.dtype,
+                        fp32_tol: float = 1e-4) -> None:
     """Three tokens past CONTEXT: ``step`` over a scattered block table against ``ref`` over a consecutive one, the
-    logits and the K/V written equal up to rounding (the linears' sums in another order), the same tokens picked."""
+    logits and the K/V written equal up to rounding (the linears' sums in another order; ``fp32_tol`` in fp32), the
+    same tokens picked."""
     a, b, tok = _two_sessions(r)
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
+    tol = {"rtol": fp32_tol, "atol": fp32_tol} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
     for i in range(3):
         pos = CONTEXT + i
         want = ref(tok, pos, b)
@@ -417,8 +419,8 @@ def test_the_q4_layer_step_computes_the_recomputing_steps_function(dtype: torch.
                                                                    head: bool) -> None:
     """Reading the layers' Q4_1 blocks (and the head's Q8_0 ones) instead of their dense copy: past the first
     512-key segment, over a scattered block table against the dense scripted kernel step over a consecutive one, its
-    logits and the K/V it writes are that step's up to rounding (the same weight values, sums in another order), and
-    it picks the same tokens."""
+    logits and the K/V it writes are that step's up to rounding (the same weight values, sums in another order, and
+    the linears' input rows in 16-bit fixed point per 32 values on AVX2), and it picks the same tokens."""
     from modeld_cell.quantize import q8_0_blocks
     _kernel()
     m = _q4_representable(_model("plain", dtype))
@@ -428,7 +430,7 @@ def test_the_q4_layer_step_computes_the_recomputing_steps_function(dtype: torch.
     assert DS.layers_eligible(m, r.kv, blocks) is None
     ref = DS.ScriptedDecode(m, r.kv, exact=False, kernel=True)
     step = DS.KernelDecode(m, r.kv, threads, blocks, q8_0_blocks(m.output.weight.float()) if head else None)
-    _assert_steps_agree(r, ref, step, dtype)
+    _assert_steps_agree(r, ref, step, dtype, fp32_tol=1e-3)     # the rows in 16-bit fixed point (cpu.c's xrow)
 
 
 def test_the_q4_layer_step_reads_its_blocks_whatever_the_dense_layout() -> None:

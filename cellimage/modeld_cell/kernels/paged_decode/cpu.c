@@ -643,32 +643,29 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One 32-weight group's codes times x's group (xv: 4 x 8 floats), in fp32: FMT 4, Q4_1's 16 bytes of nibbles
- * (weight j low in byte j, weight j + 16 high); FMT 8, Q8_0's 32 signed bytes. */
-static inline __attribute__((always_inline)) __m256 group_dot(const int FMT, const char *row, int g,
-                                                             const __m256 xv[4]) {
-    __m256 w[4];
+/* One 32-weight group's codes times x's group as 16-bit integers (xv: 2 x 16 int16), summed exactly in 8 int32
+ * lanes: FMT 4, Q4_1's 16 bytes of nibbles (weight j low in byte j, weight j + 16 high); FMT 8, Q8_0's 32 signed
+ * bytes. (|code x| <= 127 * 32767 and 4 of them a lane stay under 2^24: the lanes convert to fp32 exactly.) */
+static inline __attribute__((always_inline)) __m256i group_dot16(const int FMT, const char *row, int g,
+                                                                const __m256i xv[2]) {
+    __m256i w0, w1;
     if (FMT == 4) {
         const __m128i low = _mm_set1_epi8(15), b = _mm_loadu_si128((const __m128i *)(row + 16 * g));
-        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
+        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
     } else {
-        for (int i = 0; i < 4; i++)
-            w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 32 * g + 8 * i))));
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * g)));
+        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * g + 16)));
     }
-    __m256 t = _mm256_mul_ps(w[0], xv[0]);
-    for (int i = 1; i < 4; i++) t = _mm256_fmadd_ps(w[i], xv[i], t);
-    return t;
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, xv[0]), _mm256_madd_epi16(w1, xv[1]));
 }
 
-/* AVX2 + FMA (AVX-512 CPUs run it too), FMT as group_dot: y[o] = sum_g d[o,g] (codes . x) (+ m[o,g] xs[g], Q4_1),
- * two rows at a time sharing each group's x loads. */
+/* AVX2 + FMA (AVX-512 CPUs run it too), FMT as group_dot16, x as xrow16 gives it: y[o] = sum_g d[o,g] sx[g]
+ * (codes . xq) (+ m[o,g] xs[g], Q4_1), two rows at a time sharing each group's x loads. */
 static inline __attribute__((always_inline)) void gemv_blocks_avx2(const int FMT, const void *qs, const float *dd,
-                                                                  const float *mm, const float *x, const float *xs,
-                                                                  float *y, int N, int K) {
+                                                                  const float *mm, const int16_t *xq,
+                                                                  const float *sx, const float *xs, float *y, int N,
+                                                                  int K) {
     const int ng = K / Q4_GROUP;
     const int64_t row = FMT == 4 ? K / 2 : K; /* bytes a row */
     for (int o = 0; o < N; o += 2) {
@@ -677,10 +674,12 @@ static inline __attribute__((always_inline)) void gemv_blocks_avx2(const int FMT
         const float *d0 = dd + (int64_t)o * ng, *d1 = two ? d0 + ng : d0;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         for (int g = 0; g < ng; g++) {
-            __m256 xv[4];
-            for (int i = 0; i < 4; i++) xv[i] = _mm256_loadu_ps(x + Q4_GROUP * g + 8 * i);
-            a0 = _mm256_fmadd_ps(group_dot(FMT, q0, g, xv), _mm256_broadcast_ss(d0 + g), a0);
-            if (two) a1 = _mm256_fmadd_ps(group_dot(FMT, q1, g, xv), _mm256_broadcast_ss(d1 + g), a1);
+            const __m256i xv[2] = {_mm256_loadu_si256((const __m256i *)(xq + Q4_GROUP * g)),
+                                   _mm256_loadu_si256((const __m256i *)(xq + Q4_GROUP * g + 16))};
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot16(FMT, q0, g, xv)), _mm256_set1_ps(d0[g] * sx[g]), a0);
+            if (two)
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot16(FMT, q1, g, xv)), _mm256_set1_ps(d1[g] * sx[g]),
+                                     a1);
         }
         for (int r = 0; r <= two; r++) {
             float mt = 0.f;
@@ -697,18 +696,7 @@ static inline __attribute__((always_inline)) void gemv_blocks_avx2(const int FMT
     }
 }
 
-static void gemv_q4_avx2(const uint8_t *qs, const float *dd, const float *mm, const float *x, const float *xs,
-                         float *y, int N, int K) {
-    gemv_blocks_avx2(4, qs, dd, mm, x, xs, y, N, K);
-}
 #endif
-
-typedef struct {
-    const uint8_t *qs;
-    const float *d, *m, *x, *xs;
-    float *y;
-    int N, K, portable;
-} q4_job;
 
 /* rows [lo, hi) of N for one part of parts: in pairs (the quantized loops' step), split as evenly as pairs allow */
 static int pair_share(int N, int part, int parts, int *lo, int *hi) {
@@ -716,34 +704,6 @@ static int pair_share(int N, int part, int parts, int *lo, int *hi) {
     *lo = pairs * part / parts * 2;
     *hi = h < N ? h : N;
     return *hi > *lo;
-}
-
-static void q4_part(void *p, int part, int parts) {
-    const q4_job *j = (const q4_job *)p;
-    int lo, hi;
-    if (!pair_share(j->N, part, parts, &lo, &hi)) return;
-    const int ng = j->K / Q4_GROUP;
-    const uint8_t *qs = j->qs + (int64_t)lo * (j->K / 2);
-    const float *d = j->d + (int64_t)lo * ng, *m = j->m + (int64_t)lo * ng;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (!j->portable) {
-        gemv_q4_avx2(qs, d, m, j->x, j->xs, j->y + lo, hi - lo, j->K);
-        return;
-    }
-#endif
-    gemv_q4_portable(qs, d, m, j->x, j->xs, j->y + lo, hi - lo, j->K);
-}
-
-/* y [N] = the Q4_1 blocks times x [K] fp32 (K a multiple of 32); xs: scratch of K/32 floats, filled here. */
-static void gemv_q4_threads(const uint8_t *qs, const float *d, const float *m, const float *x, float *xs, float *y,
-                            int N, int K, int threads, int portable) {
-    for (int g = 0; g < K / Q4_GROUP; g++) {
-        float s = 0.f;
-        for (int i = 0; i < Q4_GROUP; i++) s += x[Q4_GROUP * g + i];
-        xs[g] = s;
-    }
-    q4_job j = {qs, d, m, x, xs, y, N, K, portable};
-    pool_run(q4_part, &j, threads);
 }
 
 /* ---- Q8_0 blocks for the head (#18) ----
@@ -765,42 +725,88 @@ static void gemv_q8_portable(const int8_t *qs, const float *dd, const float *x, 
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-static void gemv_q8_avx2(const int8_t *qs, const float *dd, const float *x, float *y, int N, int K) {
-    gemv_blocks_avx2(8, qs, dd, NULL, x, NULL, y, N, K);
+/* A row as the quantized loops read it: x [K] fp32, each 32-group's sum xs (the Q4_1 m term) and, for the AVX2 loops,
+ * the group in 16-bit fixed point: sx = max |x| / 32767 (1 for a zero group), xq = round(x / sx), so x is held to
+ * within sx / 2, 2^-16 of the group's largest |x| (bf16 rounds to 2^-9 of each value). */
+typedef struct {
+    const float *x, *xs, *sx;
+    const int16_t *xq;
+} xrow;
+
+/* floats of scratch xrow_prep needs for a K-row */
+#define XROW_FLOATS(K) ((int64_t)(K) / 2 + 2 * ((int64_t)(K) / Q4_GROUP) + 16)
+
+static xrow xrow_prep(const float *x, int K, float *scratch) {
+    const int ng = K / Q4_GROUP;
+    float *xs = scratch, *sx = xs + ng;
+    int16_t *xq = (int16_t *)(sx + ng);
+    for (int g = 0; g < ng; g++) {
+        float sum = 0.f, mx = 0.f;
+        for (int i = 0; i < Q4_GROUP; i++) {
+            const float v = x[Q4_GROUP * g + i];
+            sum += v;
+            mx = fabsf(v) > mx ? fabsf(v) : mx;
+        }
+        xs[g] = sum;
+        sx[g] = mx > 0.f ? mx / 32767.f : 1.f;
+        const float inv = 1.f / sx[g];
+        for (int i = 0; i < Q4_GROUP; i++) {
+            const long c = lrintf(x[Q4_GROUP * g + i] * inv);
+            xq[Q4_GROUP * g + i] = (int16_t)(c > 32767 ? 32767 : c < -32767 ? -32767 : c);
+        }
+    }
+    return (xrow){x, xs, sx, xq};
 }
-#endif
 
 typedef struct {
-    const int8_t *qs;
-    const float *d, *x;
+    const void *qs; /* Q4_1 (fmt 4) or Q8_0 (fmt 8) codes */
+    const float *d, *m;
+    xrow x;
     float *y;
-    int N, K, portable;
-} q8_job;
+    int N, K, fmt, portable;
+} blocks_job;
 
-static void q8_part(void *p, int part, int parts) {
-    const q8_job *j = (const q8_job *)p;
+static void blocks_part(void *p, int part, int parts) {
+    const blocks_job *j = (const blocks_job *)p;
     int lo, hi;
     if (!pair_share(j->N, part, parts, &lo, &hi)) return;
     const int ng = j->K / Q4_GROUP;
-    const int8_t *qs = j->qs + (int64_t)lo * j->K;
-    const float *d = j->d + (int64_t)lo * ng;
+    const char *qs = (const char *)j->qs + (int64_t)lo * (j->fmt == 4 ? j->K / 2 : j->K);
+    const float *d = j->d + (int64_t)lo * ng, *m = j->m ? j->m + (int64_t)lo * ng : NULL;
 #if defined(__AVX2__) && defined(__FMA__)
     if (!j->portable) {
-        gemv_q8_avx2(qs, d, j->x, j->y + lo, hi - lo, j->K);
+        if (j->fmt == 4) gemv_blocks_avx2(4, qs, d, m, j->x.xq, j->x.sx, j->x.xs, j->y + lo, hi - lo, j->K);
+        else gemv_blocks_avx2(8, qs, d, NULL, j->x.xq, j->x.sx, NULL, j->y + lo, hi - lo, j->K);
         return;
     }
 #endif
-    gemv_q8_portable(qs, d, j->x, j->y + lo, hi - lo, j->K);
+    if (j->fmt == 4) gemv_q4_portable((const uint8_t *)qs, d, m, j->x.x, j->x.xs, j->y + lo, hi - lo, j->K);
+    else gemv_q8_portable((const int8_t *)qs, d, j->x.x, j->y + lo, hi - lo, j->K);
 }
 
-/* y [N] = the Q8_0 blocks times x [K] fp32: 0 done, 1 K not a multiple of 32. */
+/* y [N] = blocks of fmt (4: Q4_1 with m, 8: Q8_0) times x [K] fp32 (K a multiple of 32); scratch: XROW_FLOATS(K)
+ * floats. */
+static void gemv_blocks_threads(int fmt, const void *qs, const float *d, const float *m, const float *x,
+                                float *scratch, float *y, int N, int K, int threads, int portable) {
+    blocks_job j = {qs, d, m, xrow_prep(x, K, scratch), y, N, K, fmt, portable};
+    pool_run(blocks_part, &j, threads);
+}
+
+/* Exported for the self-check: y = the blocks times x as the layer step computes them. 0 done, 1 K not a multiple of
+ * 32, 2 out of memory. */
+static int gemv_blocks_call(int fmt, const void *qs, const float *d, const float *m, const float *x, float *y, int N,
+                            int K, int portable, int threads) {
+    if (K % Q4_GROUP || N < 1) return 1;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)XROW_FLOATS(K));
+    if (scratch == NULL) return 2;
+    gemv_blocks_threads(fmt, qs, d, m, x, scratch, y, N, K, threads, portable);
+    free(scratch);
+    return 0;
+}
+
 int modeld_gemv_q8(const int8_t *qs, const float *d, const float *x, float *y, int N, int K, int portable,
                    int threads) {
-    if (K % Q4_GROUP || N < 1) return 1;
-    q8_job j = {qs, d, x, y, N, K, portable};
-    pool_run(q8_part, &j, threads);
-    return 0;
+    return gemv_blocks_call(8, qs, d, NULL, x, y, N, K, portable, threads);
 }
 
 /* 1 where this build has the AVX2 + FMA Q4_1 loop, else 0 */
@@ -812,16 +818,9 @@ int modeld_gemv_q4_isa(void) {
 #endif
 }
 
-/* Exported for the self-check: y = the Q4_1 blocks times x, as the layer step computes it. 0 done, 1 K not a
- * multiple of 32, 2 out of memory. */
 int modeld_gemv_q4(const uint8_t *qs, const float *d, const float *m, const float *x, float *y, int N, int K,
                    int portable, int threads) {
-    if (K % Q4_GROUP || N < 1) return 1;
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(K / Q4_GROUP));
-    if (xs == NULL) return 2;
-    gemv_q4_threads(qs, d, m, x, xs, y, N, K, threads, portable);
-    free(xs);
-    return 0;
+    return gemv_blocks_call(4, qs, d, m, x, y, N, K, portable, threads);
 }
 
 /* out[i] (compute dtype) = round(round(x[i] * rsqrt(mean(x^2) + eps)) * w[i]), as model.rms_norm */
@@ -838,7 +837,7 @@ enum { Q_ATTN_NORM, Q_FFN_NORM, Q_WQKV, Q_WO = Q_WQKV + 3, Q_W13 = Q_WO + 3, Q_W
        Q_PTRS };
 
 /* One of a layer's linears on the row act (compute dtype): dense (wfmt 0: P[dense], gemv) or Q4_1 (wfmt 1:
- * P[q4 .. q4 + 2], the row first widened to fp32 in xf, K + K/32 floats of scratch). */
+ * P[q4 .. q4 + 2], the row first widened to fp32 in xf, K + XROW_FLOATS(K) floats of scratch). */
 static void layer_linear(void *const *P, int dense, int q4, int wfmt, const void *act, float *y, int N, int K, int bf16,
                          int threads, float *xf) {
     if (wfmt == 0) {
@@ -846,8 +845,8 @@ static void layer_linear(void *const *P, int dense, int q4, int wfmt, const void
         return;
     }
     for (int i = 0; i < K; i++) xf[i] = load1(act, i, bf16);
-    gemv_q4_threads((const uint8_t *)P[q4], (const float *)P[q4 + 1], (const float *)P[q4 + 2], xf, xf + K, y, N, K,
-                    threads, 0);
+    gemv_blocks_threads(4, P[q4], (const float *)P[q4 + 1], (const float *)P[q4 + 2], xf, xf + K, y, N, K, threads,
+                        0);
 }
 
 /* Every layer of one decode row. x [dim] fp32 in and out (values rounded to the compute dtype); ptrs: L_PTRS per
@@ -865,7 +864,7 @@ int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float 
         return 1;
     const int nqkv = (hq + 2 * hkv) * d, esz = bf16 ? 2 : 4, np = wfmt ? Q_PTRS : L_PTRS;
     const int kmax = dim > inter ? (dim > hq * d ? dim : hq * d) : (inter > hq * d ? inter : hq * d);
-    const int64_t need = (int64_t)dim * 2 + nqkv + 2 * (int64_t)inter + (int64_t)hq * d + kmax + kmax / Q4_GROUP + 16;
+    const int64_t need = (int64_t)dim * 2 + nqkv + 2 * (int64_t)inter + (int64_t)hq * d + kmax + XROW_FLOATS(kmax);
     static __thread float *buf = NULL; /* fp32 scratch: h, y, qkv, gate|up */
     static __thread void *act = NULL;  /* one compute-dtype row, the linears' input */
     static __thread int64_t cap = 0;
