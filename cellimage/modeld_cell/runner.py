@@ -472,10 +472,12 @@ class TorchRunner:
                 f"({rep['prefill_ms_per_token']} ms)"))
         else:
             rep["reason"] = why
-        if getattr(self.model, "decode_blocks", None) is not None:
-            # the Q4_1 blocks stay only where their step serves (the loader built them for this choice)
+        if getattr(self.model, "decode_blocks", None) is not None and not getattr(self.model, "blocks_settled", False):
+            # the Q4_1 blocks stay only where their step serves: the loader built them for the first engine's choice
+            # (a sibling engine over the same weights takes them where they are kept, and leaves them be)
             self.model.decode_blocks = getattr(self.recompute_step, "blocks", None)
             self.model.decode_head_blocks = getattr(self.recompute_step, "head_blocks", None)
+            self.model.blocks_settled = True
         self.decoded_kv_report = rep
         return rep
 

@@ -480,6 +480,10 @@ def test_the_q4_layer_step_is_timed_with_the_others_and_its_blocks_kept_only_whe
     r.model.decode_blocks = DS.q4_blocks(_q4_representable(r.model))
     rep = r.choose_decoded_kv("recompute", kernels="on")
     assert rep["attention"]["served"] == "layers-q4" and r.recompute_step.blocks is r.model.decode_blocks
+    # a second runner over the same weights (a sibling engine's) that cannot take the blocks leaves them to the first
+    sib = TorchRunner(r.model, PagedKVCache(2, 2, 16, kv_format("int8"), 1 << 22, 16))
+    sib.choose_decoded_kv("recompute", kernels="auto")
+    assert r.model.decode_blocks is r.recompute_step.blocks
 
 
 def test_the_loader_keeps_dense_weights_plain_only_for_a_faster_layer_step(monkeypatch: pytest.MonkeyPatch,
