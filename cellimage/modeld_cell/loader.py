@@ -232,9 +232,9 @@ def keep_plain_for_kernels(model: Transformer, settings: EngineSettings, cache_d
     the process's thread count, oneDNN at ``decode_threads`` (the count an earlier start's step took, kept with the
     weights' measurement; None: the process count); medians of ``reps`` calls (the first dropped). The verdict is
     kept under ``<cache_dir>/autotune/plain-<key>.json`` (keyed by the CPU, the thread counts, the shapes and cpu.c)
-    and taken again by a later start: it is part of the cache identity. What plain weights cost elsewhere: a prefill chunk's linears reorder them inside each
-    call (within the noise of a prefill's figures on the EPYC), and the exact step and a batch of sessions more
-    (docs/kernels.md, "The whole-layer decode step")."""
+    and taken again by a later start: it is part of the cache identity. What plain weights cost elsewhere: a prefill
+    chunk's linears reorder them inside each call (within the noise of a prefill's figures on the EPYC), and the
+    exact step and a batch of sessions more (docs/kernels.md, "The whole-layer decode step")."""
     from . import decode_step
     from .kernels.paged_decode import cpu as cpu_kernels
     from .model import _mm, can_pack

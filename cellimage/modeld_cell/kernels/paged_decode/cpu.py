@@ -235,26 +235,35 @@ def gemv(w: Tensor, x: Tensor, portable: bool = False, threads: int = 1) -> Tens
     return y
 
 
+def _row_linear_error(what: str, want: Tensor, run: Any, tol: float) -> float:
+    """The largest relative error of ``run(portable, threads)`` against ``want`` (fp64) over the build's loop on
+    one thread and two and the portable one; AssertionError naming ``what`` and the case past ``tol``."""
+    worst = 0.0
+    for portable, threads in ((False, 1), (True, 1), (False, 2)):
+        got = run(portable, threads).double()
+        err = float((got - want).abs().max() / want.abs().max())
+        if not err <= tol:
+            raise AssertionError(f"{what} portable={portable} threads={threads}: relative error {err:.3g} over {tol}")
+        worst = max(worst, err)
+    return worst
+
+
 def gemv_check() -> dict[str, float]:
     """The loaded row linear against F.linear in fp64 on seeded inputs: row counts off and on its 16-row groups, K
     off and on its 16/32-element steps, both dtypes, the build's loop (on one thread and two) and the portable one.
-    Raises AssertionError
-    naming the case past CHECK_TOL; returns the largest relative error per dtype (keys ``gemv_<dtype>``)."""
+    Raises AssertionError naming the case past CHECK_TOL; returns the largest relative error per dtype (keys
+    ``gemv_<dtype>``)."""
     g = torch.Generator().manual_seed(1)
     worst: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16):
         for n, k in ((48, 64), (37, 40), (16, 576), (5, 19)):
             w = torch.randn(n, k, generator=g).to(dtype)
             x = torch.randn(k, generator=g).to(dtype)
-            want = w.double() @ x.double()
-            for portable, threads in ((False, 1), (True, 1), (False, 2)):
-                got = gemv(w, x, portable, threads).double()
-                err = float((got - want).abs().max() / want.abs().max())
-                if not err <= CHECK_TOL[dtype]:
-                    raise AssertionError(f"gemv {dtype} N={n} K={k} portable={portable} threads={threads}: relative "
-                                         f"error {err:.3g} over {CHECK_TOL[dtype]}")
-                name = "gemv_" + str(dtype).replace("torch.", "")
-                worst[name] = round(max(worst.get(name, 0.0), err), 8)
+            err = _row_linear_error(f"gemv {dtype} N={n} K={k}", w.double() @ x.double(),
+                                    lambda portable, threads: gemv(w, x, portable, threads),  # noqa: B023
+                                    CHECK_TOL[dtype])
+            name = "gemv_" + str(dtype).replace("torch.", "")
+            worst[name] = round(max(worst.get(name, 0.0), err), 8)
     return worst
 
 
@@ -310,22 +319,12 @@ def gemv_q4_check() -> dict[str, float]:
         x = torch.randn(k, generator=g)
         qs, d, m = q4_1_blocks(w)
         want = dequantize_q4_1(*quantize_q4_1(w)).double() @ x.double()
-        for portable, threads in ((False, 1), (True, 1), (False, 2)):
-            got = gemv_q4(qs, d, m, x, portable, threads).double()
-            err = float((got - want).abs().max() / want.abs().max())
-            if not err <= CHECK_TOL_BLOCKS:
-                raise AssertionError(f"gemv_q4 N={n} K={k} portable={portable} threads={threads}: relative error "
-                                     f"{err:.3g} over {CHECK_TOL_BLOCKS}")
-            worst = max(worst, err)
+        worst = max(worst, _row_linear_error(f"gemv_q4 N={n} K={k}", want, lambda portable, threads: gemv_q4(
+            qs, d, m, x, portable, threads), CHECK_TOL_BLOCKS))  # noqa: B023
         q8, d8 = q8_0_blocks(w)
         want = (q8.view(n, k // 32, 32).double() * d8.double()[..., None]).view(n, k) @ x.double()
-        for portable, threads in ((False, 1), (True, 1), (False, 2)):
-            got = gemv_q8(q8, d8, x, portable, threads).double()
-            err = float((got - want).abs().max() / want.abs().max())
-            if not err <= CHECK_TOL_BLOCKS:
-                raise AssertionError(f"gemv_q8 N={n} K={k} portable={portable} threads={threads}: relative error "
-                                     f"{err:.3g} over {CHECK_TOL_BLOCKS}")
-            worst = max(worst, err)
+        worst = max(worst, _row_linear_error(f"gemv_q8 N={n} K={k}", want, lambda portable, threads: gemv_q8(
+            q8, d8, x, portable, threads), CHECK_TOL_BLOCKS))  # noqa: B023
     return {"gemv_q4": round(worst, 8)}
 
 
@@ -335,7 +334,8 @@ def decode_layers(x: Tensor, ptrs: Any, n_layers: int, cos: Tensor, ssin: Tensor
     """Every layer of one decode row, in place on x [dim] fp32 (cpu.c's modeld_decode_layers). ptrs: a ctypes
     array of L_PTRS (8) pointers a layer; cos, ssin [D] fp32 contiguous; table int32 contiguous covering n;
     dims (dim, Hq, Hkv, D, intermediate); threads: the linears' rows split over that many threads; q4: the linears
-    are Q4_1 blocks (cpu.c's Q_PTRS, 16 pointers a layer: each linear's qs, d, m). The caller (decode_step.KernelDecode) keeps every pointed tensor alive."""
+    are Q4_1 blocks (cpu.c's Q_PTRS, 16 pointers a layer: each linear's qs, d, m). The caller
+    (decode_step.KernelDecode) keeps every pointed tensor alive."""
     if _lib is None:
         raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
     dim, hq, hkv, d, inter = dims
