@@ -921,3 +921,331 @@ int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float 
     }
     return 0;
 }
+
+/* ---- Causal prefill attention, each query row on its own (#18) ----
+ *
+ * T query rows at positions q0 .. q0 + T - 1 attend keys 0 .. their own position, read in place from the paged
+ * cache (which already holds the new rows' keys). Row p's result is a function of p, its query and keys 0..p only:
+ * keys go in blocks cut at absolute multiples of PA_KB; in each block the row's scores are fp32 FMA chains over D
+ * (one lane a key), its keys past p are masked, and an online softmax (max, rescale, exp, sum in lane order) and a
+ * P.V over exactly its own keys in key order update its state. Which other rows share a call, a tile or a thread
+ * never enters a row's arithmetic, so a prompt prefilled in one call, in chunks cut anywhere or row by row gets the
+ * same bits: chunking invariance by construction, where model._segmented_attention gets it from 512-key flash calls
+ * and an LSE merge. AVX2 + FMA only (AVX-512 machines run the same loop); modeld_prefill_attention returns 1 where
+ * the build or the shape is not taken and the caller keeps the segmented path.
+ *
+ * Work: (kv head, PA_TT-token tile) units, dealt to the pool's threads in turn. A unit keeps its rows' query (scaled),
+ * output, max and sum in scratch; for each key block it transposes the keys ([D][PA_KB]) and widens the values to
+ * fp32 once, scores PA_ROWS rows at a time (2 x 8-key vectors x 6 rows of FMAs), then updates each row and
+ * accumulates P.V for the G rows of one token (their keys are the same) three at a time over 32-float slabs of D.
+ */
+#define PA_KB 64
+#define PA_TT 64
+#define PA_ROWS 6
+#define PA_MAXG 16
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 2^x for x <= 0, lane-wise: 2^n 2^f, n = round(x), |f| <= 1/2, Cephes exp2f's degree-6 polynomial (relative error
+ * about 2e-7); below -126 it is 2^-126, never 0 (callers zero masked lanes themselves) */
+static inline __m256 pa_exp2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
+    __m256 y = _mm256_set1_ps(1.535336188319500e-4f);
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.339887440266574e-3f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.618437357674640e-3f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550332471162809e-2f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.402264791363012e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931472028550421e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float pa_hmax(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+static inline float pa_hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* s[slot][0 .. ng * 16) = qf[rows[slot]] . Kt[:, key]: PA_ROWS rows (a short tile repeats its last row) */
+static void pa_scores(const float *const rows[PA_ROWS], const float *kt, int d, int ng, float *s) {
+    for (int kg = 0; kg < ng; kg++) {
+        __m256 acc[PA_ROWS][2];
+        for (int r = 0; r < PA_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        const float *k = kt + kg * 16;
+        for (int i = 0; i < d; i++) {
+            const __m256 k0 = _mm256_load_ps(k + (int64_t)i * PA_KB), k1 = _mm256_load_ps(k + (int64_t)i * PA_KB + 8);
+            for (int r = 0; r < PA_ROWS; r++) {
+                const __m256 qb = _mm256_broadcast_ss(rows[r] + i);
+                acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < PA_ROWS; r++) {
+            _mm256_store_ps(s + r * PA_KB + kg * 16, acc[r][0]);
+            _mm256_store_ps(s + r * PA_KB + kg * 16 + 8, acc[r][1]);
+        }
+    }
+}
+
+/* One row's online-softmax step over a block: s[0 .. valid) its scores (lanes past valid ignored), replaced by their
+ * exponentials; *m, *l its running max and sum; returns the factor its output is rescaled by. */
+/* One online-softmax step over a key block for NR rows of one token (the same keys; interleaved for the ILP, each
+ * row's arithmetic its own): s[r][0 .. valid) the row's scores (lanes past valid ignored), replaced by their
+ * exponentials; m[r], l[r] its running max and sum; a[r] the factor its output is rescaled by. */
+static inline __attribute__((always_inline)) void pa_softmax(const int NR, float *const s[3], int valid, float *m,
+                                                            float *l, float *a) {
+    const __m256 low = _mm256_set1_ps(-FLT_MAX);
+    __m256 acc[3], mv[3], keep[PA_KB / 8];
+    const int nv = (valid + 7) / 8;
+    if (valid < PA_KB) { /* a row's last block: lanes at and past valid masked (no infinities: built -ffast-math) */
+        const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int c = 0; c < nv; c++)
+            keep[c] = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)(8 * c))),
+                                    _mm256_set1_ps((float)valid), _CMP_LT_OQ);
+    }
+    for (int r = 0; r < NR; r++) {
+        __m256 mx = low;
+        if (valid == PA_KB)
+            for (int c = 0; c < PA_KB / 8; c++) mx = _mm256_max_ps(mx, _mm256_load_ps(s[r] + 8 * c));
+        else
+            for (int c = 0; c < nv; c++)
+                mx = _mm256_max_ps(mx, _mm256_blendv_ps(low, _mm256_load_ps(s[r] + 8 * c), keep[c]));
+        const float bm = pa_hmax(mx);
+        mv[r] = _mm256_set1_ps(bm > m[r] ? bm : m[r]);
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int c = 0; c < nv; c++)
+        for (int r = 0; r < NR; r++) {
+            __m256 e = pa_exp2(_mm256_sub_ps(_mm256_load_ps(s[r] + 8 * c), mv[r]));
+            if (valid < PA_KB) e = _mm256_and_ps(e, keep[c]); /* a masked lane is 0 whatever it held */
+            _mm256_store_ps(s[r] + 8 * c, e);
+            acc[r] = _mm256_add_ps(acc[r], e);
+        }
+    for (int r = 0; r < NR; r++) {
+        const float mnew = _mm256_cvtss_f32(mv[r]);
+        /* a row's first block (its sum still 0) has no earlier state to rescale */
+        a[r] = l[r] > 0.f ? _mm256_cvtss_f32(pa_exp2(_mm256_set1_ps(m[r] - mnew))) : 0.f;
+        l[r] = l[r] * a[r] + pa_hsum(acc[r]);
+        m[r] = mnew;
+    }
+}
+
+/* o[r] = o[r] * a[r] + sum_{j < nk} p[r][j] vf[j], NR rows of one token, 32-float slabs of D */
+static inline __attribute__((always_inline)) void pa_pv(const int NR, float *const o[3], const float *const p[3],
+                                                        const float a[3], const float *vf, int nk, int d) {
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        __m256 acc[3][4];
+        for (int r = 0; r < NR; r++) {
+            const __m256 av = _mm256_set1_ps(a[r]);
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_mul_ps(_mm256_load_ps(o[r] + c0 + 8 * c), av);
+        }
+        for (int j = 0; j < nk; j++) { /* NR broadcasts held, one slab vector loaded at a time: 4 NR + NR + 1 registers */
+            const float *v = vf + (int64_t)j * d + c0;
+            __m256 pb[3];
+            for (int r = 0; r < NR; r++) pb[r] = _mm256_broadcast_ss(p[r] + j);
+            for (int c = 0; c < 4; c++) {
+                __m256 vv = _mm256_load_ps(v + 8 * c);
+                __asm__("" : "+x"(vv)); /* one load for NR FMAs: folded into each, the loads bound the loop */
+                for (int r = 0; r < NR; r++) acc[r][c] = _mm256_fmadd_ps(pb[r], vv, acc[r][c]);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < 4; c++) _mm256_store_ps(o[r] + c0 + 8 * c, acc[r][c]);
+    }
+}
+
+/* a token's NR rows' softmax step and P.V over one key block */
+static void pa_rows(int nr, float *const o[3], float *const s[3], float *m, float *l, float *a, const float *vf,
+                    int nk, int d) {
+    if (nr == 3) {
+        pa_softmax(3, s, nk, m, l, a);
+        pa_pv(3, o, (const float *const *)s, a, vf, nk, d);
+    } else if (nr == 2) {
+        pa_softmax(2, s, nk, m, l, a);
+        pa_pv(2, o, (const float *const *)s, a, vf, nk, d);
+    } else {
+        pa_softmax(1, s, nk, m, l, a);
+        pa_pv(1, o, (const float *const *)s, a, vf, nk, d);
+    }
+}
+
+typedef struct {
+    const void *q, *kc, *vc;
+    void *out;
+    const int32_t *table;
+    int64_t q0, t, bs;
+    int hq, hkv, d, kv_bf16, q_bf16, tiles, units;
+    float scale;
+    float *work;
+    int64_t per_part; /* floats of work a part */
+} pa_job;
+
+/* per part: qf, o [PA_TT * G, D], s [PA_TT * G + PA_ROWS, PA_KB] (a tile's last score rows may run past its rows),
+ * m, l [PA_TT * G], kt [D, PA_KB], vf [PA_KB, D]; 32-byte aligned rows */
+static int64_t pa_part_floats(int g, int d) {
+    const int64_t rows = (int64_t)PA_TT * g;
+    return rows * d * 2 + (rows + PA_ROWS) * PA_KB + rows * 2 + (int64_t)d * PA_KB * 2 + 64;
+}
+
+/* lane i of out[x] = lane x of in[i] (an 8 x 8 transpose) */
+static inline void pa_transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* kv head h's keys k0 .. k0 + kn of the block, read through the table: kt [D][PA_KB] transposed, vf [PA_KB][D], in
+ * fp32; keys kn .. width zero */
+static void pa_prep(const pa_job *j, int h, int64_t k0, int kn, int width, float *kt, float *vf) {
+    const int d = j->d;
+    const int64_t ts = (int64_t)j->hkv * d;
+    for (int j8 = 0; j8 < width; j8 += 8) {
+        int64_t base[8];
+        for (int x = 0; x < 8; x++) {
+            const int64_t key = k0 + j8 + x;
+            base[x] = j8 + x < kn ? ((int64_t)j->table[key / j->bs] * j->bs + key % j->bs) * ts + (int64_t)h * d : -1;
+        }
+        for (int i = 0; i < d; i += 8) {
+            __m256 r[8];
+            for (int x = 0; x < 8; x++) {
+                r[x] = base[x] >= 0 ? load8(j->kc, base[x] + i, j->kv_bf16) : _mm256_setzero_ps();
+                _mm256_store_ps(vf + (int64_t)(j8 + x) * d + i,
+                                base[x] >= 0 ? load8(j->vc, base[x] + i, j->kv_bf16) : _mm256_setzero_ps());
+            }
+            pa_transpose8(r);
+            for (int x = 0; x < 8; x++) _mm256_store_ps(kt + (int64_t)(i + x) * PA_KB + j8, r[x]);
+        }
+    }
+}
+
+static void pa_unit(const pa_job *j, int h, int tile, float *w) {
+    const int g = j->hq / j->hkv, d = j->d;
+    const int64_t t_lo = (int64_t)tile * PA_TT, t_hi = t_lo + PA_TT < j->t ? t_lo + PA_TT : j->t;
+    const int nrows = (int)(t_hi - t_lo) * g;
+    const float qscale = j->scale * 1.44269504088896341f; /* scores in log2 units: softmax by exp2 */
+    float *qf = (float *)(((uintptr_t)w + 31) & ~(uintptr_t)31);
+    float *o = qf + (int64_t)PA_TT * g * d, *s = o + (int64_t)PA_TT * g * d, *m = s + (int64_t)(PA_TT * g + PA_ROWS) * PA_KB;
+    float *l = m + PA_TT * g, *kt = l + PA_TT * g, *vf = kt + (int64_t)d * PA_KB;
+    kt = (float *)(((uintptr_t)kt + 31) & ~(uintptr_t)31);
+    vf = kt + (int64_t)d * PA_KB;
+    for (int r = 0; r < nrows; r++) {
+        const int64_t t = t_lo + r / g, head = (int64_t)h * g + r % g;
+        for (int i = 0; i < d; i++) {
+            qf[(int64_t)r * d + i] = load1(j->q, (t * j->hq + head) * d + i, j->q_bf16) * qscale;
+            o[(int64_t)r * d + i] = 0.f;
+        }
+        m[r] = -FLT_MAX;
+        l[r] = 0.f;
+    }
+    const int64_t ts = (int64_t)j->hkv * d, pmax = j->q0 + t_hi - 1, nblk = pmax / PA_KB + 1;
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t k0 = b * PA_KB;
+        const int kn = (int)(pmax + 1 - k0 < PA_KB ? pmax + 1 - k0 : PA_KB), ng = (kn + 15) / 16;
+        pa_prep(j, h, k0, kn, ng * 16, kt, vf);
+        const int64_t tf = k0 - j->q0 > t_lo ? k0 - j->q0 : t_lo; /* the first token that sees this block */
+        const int r0 = (int)(tf - t_lo) * g;
+        for (int r = r0; r < nrows; r += PA_ROWS) {
+            const float *rows[PA_ROWS];
+            for (int k = 0; k < PA_ROWS; k++) rows[k] = qf + (int64_t)(r + k < nrows ? r + k : nrows - 1) * d;
+            pa_scores(rows, kt, d, ng, s + (int64_t)r * PA_KB);
+        }
+        for (int64_t t = tf; t < t_hi; t++) {
+            const int64_t p = j->q0 + t;
+            const int valid = (int)(p + 1 - k0 < PA_KB ? p + 1 - k0 : PA_KB);
+            const int rb = (int)(t - t_lo) * g;
+            for (int k = 0; k < g; k += 3) { /* the token's G rows, three at a time */
+                const int nr = g - k < 3 ? g - k : 3;
+                float *op[3], *sp[3], a[3];
+                for (int x = 0; x < nr; x++) {
+                    op[x] = o + (int64_t)(rb + k + x) * d;
+                    sp[x] = s + (int64_t)(rb + k + x) * PA_KB;
+                }
+                pa_rows(nr, op, sp, m + rb + k, l + rb + k, a, vf, valid, d);
+            }
+        }
+    }
+    for (int r = 0; r < nrows; r++) {
+        const int64_t t = t_lo + r / g, head = (int64_t)h * g + r % g;
+        const float inv = 1.f / l[r];
+        for (int i = 0; i < d; i++) store1(j->out, (t * j->hq + head) * d + i, o[(int64_t)r * d + i] * inv, j->q_bf16);
+    }
+}
+
+static void pa_part(void *p, int part, int parts) {
+    const pa_job *j = (const pa_job *)p;
+    float *w = j->work + (int64_t)part * j->per_part;
+    for (int u = part; u < j->units; u += parts) pa_unit(j, u % j->hkv, u / j->hkv, w);
+}
+
+static int pa_takes(int hq, int hkv, int d) {
+    return hkv >= 1 && hq % hkv == 0 && hq / hkv <= PA_MAXG && d % 32 == 0 && d <= 256;
+}
+#else
+static int pa_takes(int hq, int hkv, int d) {
+    (void)hq, (void)hkv, (void)d;
+    return 0;
+}
+#endif
+
+/* 1 where this build has the prefill attention loop (AVX2 + FMA), else 0 */
+int modeld_prefill_attention_isa(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Causal attention of T rows at positions q0 .. q0 + T - 1. q, out [T, Hq, D] (bf16 or fp32, out in q's dtype);
+ * k_cache, v_cache [NB, BS, Hkv, D] (bf16 or fp32) holding keys 0 .. q0 + T - 1 through table (int32, the session's
+ * block table). threads: the pool's helpers. Returns 0 done; 1 a shape or build it does not take; 2 out of memory. */
+int modeld_prefill_attention(const void *q, void *out, const void *k_cache, const void *v_cache, const int32_t *table,
+                             int64_t q0, int64_t t, int64_t bs, int hq, int hkv, int d, float scale, int kv_bf16,
+                             int q_bf16, int threads) {
+    if (t < 1 || q0 < 0 || bs < 1 || !pa_takes(hq, hkv, d)) return 1;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    const int tiles = (int)((t + PA_TT - 1) / PA_TT), units = tiles * hkv;
+    if (threads > units) threads = units;
+    const int64_t per = pa_part_floats(hq / hkv, d);
+    static __thread float *work = NULL;
+    static __thread int64_t cap = 0;
+    if (per * threads > cap) {
+        float *p = (float *)realloc(work, sizeof(float) * (size_t)(per * threads));
+        if (p == NULL) return 2;
+        work = p;
+        cap = per * threads;
+    }
+    pa_job j = {q, k_cache, v_cache, out, table, q0, t, bs, hq, hkv, d, kv_bf16, q_bf16, tiles, units, scale, work,
+                per};
+    pool_run(pa_part, &j, threads);
+    return 0;
+#else
+    (void)q, (void)out, (void)k_cache, (void)v_cache, (void)table, (void)scale, (void)kv_bf16, (void)q_bf16,
+        (void)threads;
+    return 1;
+#endif
+}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -80,6 +81,9 @@ def _paged_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor
 
 
 _lib_def.impl("paged_decode_cpu", _paged_decode_cpu, "CPU")
+# the row attention (rows_attention below), for the scripted exact decode step where a prefill attends through it
+_lib_def.define("rows_attention_cpu(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int q0, float scale) -> "
+                "Tensor")
 
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
@@ -109,7 +113,8 @@ def _cpu_id() -> str:
 def load(cache_dir: str | None) -> dict[str, Any]:
     """Build (or find built) and load the kernel, then check it against the reference. Returns the report:
     ``loaded`` (bool), ``reason``, and when loaded ``isa`` (avx512 | avx2 | portable: the attention and dense row
-    linear's loop; ``q4_isa``, avx2 | portable: the Q4_1 and Q8_0 row linears'), ``compiler``, ``library``,
+    linear's loop; ``q4_isa``, avx2 | portable: the Q4_1 and Q8_0 row linears'; ``rows_isa``, avx2 or None: the
+    row attention's, ``rows_attention``), ``compiler``, ``library``,
     ``built_s`` (0 when found built), ``check`` (max error per dtype). Thread-safe; the first success stays."""
     global _lib, _report
     with _lock:
@@ -175,17 +180,24 @@ def _load(cache_dir: str | None) -> dict[str, Any]:
     lib.modeld_gemv_q8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.modeld_gemv_q8.restype = ctypes.c_int
     lib.modeld_decode_layers.restype = ctypes.c_int
+    lib.modeld_prefill_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3 + [
+        ctypes.c_float] + [ctypes.c_int] * 3
+    lib.modeld_prefill_attention.restype = ctypes.c_int
+    lib.modeld_prefill_attention_isa.restype = ctypes.c_int
     _lib = lib
     try:
         check = self_check()
         check.update(gemv_check())
         check.update(gemv_q4_check())
+        if lib.modeld_prefill_attention_isa():
+            check.update(rows_check())
     except Exception as e:        # a kernel that disagrees with the reference never serves
         _lib = None
         return {"loaded": False, "reason": f"the built kernel failed its check against the reference: {e}"}
-    return {"loaded": True, "reason": "built and checked against reference.paged_decode and F.linear", "isa":
+    return {"loaded": True, "reason": "built and checked against reference.paged_decode, F.linear and fp64 causal attention", "isa":
             {1: "avx512", 2: "avx2"}.get(lib.modeld_paged_decode_isa(), "portable"),
-            "q4_isa": "avx2" if lib.modeld_gemv_q4_isa() else "portable", "compiler": version.splitlines()[0][:120],
+            "q4_isa": "avx2" if lib.modeld_gemv_q4_isa() else "portable",
+            "rows_isa": "avx2" if lib.modeld_prefill_attention_isa() else None, "compiler": version.splitlines()[0][:120],
             "library": str(lib_path), "built_s": round(built_s, 2), "check": check}
 
 
@@ -345,3 +357,99 @@ def decode_layers(x: Tensor, ptrs: Any, n_layers: int, cos: Tensor, ssin: Tensor
     if rc != 0:
         raise RuntimeError(f"modeld_decode_layers returned {rc} (1: a shape it does not take, 2: out of memory) "
                            f"for dim={dim}, Hq={hq}, Hkv={hkv}, D={d}, intermediate={inter}, n={n}")
+
+
+# keys per block of the row attention (cpu.c's PA_KB): a row's sums run block by block at absolute multiples of it,
+# so it is part of what a prefill computes (the cache identity names it: ROWS_NAME)
+ROWS_BLOCK = 64
+ROWS_NAME = f"cpu.c rows (avx2, {ROWS_BLOCK}-key blocks)"
+
+
+def rows_refused(hq: int, hkv: int, d: int) -> str | None:
+    """Why the loaded build's row attention cannot take these heads, or None when it can."""
+    if _lib is None:
+        return "the CPU kernels are not loaded"
+    if not _lib.modeld_prefill_attention_isa():
+        return "the build has no row attention loop (it needs AVX2 and FMA)"
+    if hkv < 1 or hq % hkv or hq // hkv > 16 or d % 32 or d > 256:
+        return f"Hq={hq}, Hkv={hkv}, D={d}: the row attention takes up to 16 query heads a KV head and D a multiple " \
+               "of 32 up to 256"
+    return None
+
+
+def rows_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, q0: int, scale: float,
+                   threads: int | None = None) -> Tensor:
+    """Causal attention of q's T rows at positions q0 .. q0 + T - 1 over keys 0 .. their own position, read through
+    ``table`` from the paged caches (which already hold the rows' own keys): cpu.c's modeld_prefill_attention. Each
+    row's result depends only on its position, its query and those keys, whatever rows share the call (chunking
+    invariance by construction). q [T, Hq, D] bf16/fp32; caches [NB, BS, Hkv, D] bf16/fp32, contiguous; table int32
+    covering q0 + T keys; threads: the pool's (default: torch's intra-op count). Returns [T, Hq, D] in q's dtype."""
+    if _lib is None:
+        raise RuntimeError("the CPU kernels are not loaded (kernels.paged_decode.cpu.load)")
+    t, hq, d = q.shape
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != d or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the row attention takes fp32/bf16, got q {q.dtype}, cache {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or table.dtype != torch.int32:
+        raise ValueError("the row attention takes contiguous caches and an int32 block table")
+    if q0 < 0 or t < 1 or table.numel() * bs < q0 + t:
+        raise ValueError(f"{q0} + {t} keys are not covered by a block table of {table.numel()} blocks of {bs}")
+    q, table = q.contiguous(), table.contiguous()
+    out = torch.empty_like(q)
+    rc = _lib.modeld_prefill_attention(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                       table.data_ptr(), q0, t, bs, hq, hkv, d, scale,
+                                       int(k_cache.dtype == torch.bfloat16), int(q.dtype == torch.bfloat16),
+                                       threads or torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"modeld_prefill_attention returned {rc} (1: a head shape or build it does not take, 2: "
+                           f"out of memory) for Hq={hq}, Hkv={hkv}, D={d}, T={t}")
+    return out
+
+
+_lib_def.impl("rows_attention_cpu", lambda q, k_cache, v_cache, table, q0, scale: rows_attention(
+    q, k_cache, v_cache, table, q0, scale), "CPU")
+
+
+def causal_reference(q: Tensor, k: Tensor, v: Tensor, q0: int, scale: float) -> Tensor:
+    """fp64 causal GQA attention of q [T, Hq, D] at positions q0.. over k, v [q0 + T, Hkv, D] (the row attention's
+    ground truth)."""
+    t, hq, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    s = torch.einsum("thgd,nhd->thgn", q.double().view(t, hkv, hq // hkv, d), k.double()) * scale
+    past = torch.arange(n)[None, :] > (q0 + torch.arange(t))[:, None]
+    p = s.masked_fill(past[:, None, None, :], -math.inf).softmax(-1)
+    return torch.einsum("thgn,nhd->thgd", p, v.double()).reshape(t, hq, d)
+
+
+def rows_check() -> dict[str, float]:
+    """The loaded row attention against ``causal_reference`` on seeded pages (a shuffled block table, GQA 3:1 and
+    4:1, D 64 and 32, fp32 and bf16 caches, past and across 64-key blocks), and the property it exists for: the
+    same rows computed in one call, in chunks cut anywhere (one row included) and on one thread or two give the same
+    bits. Raises AssertionError naming the case; returns the largest relative error (key ``rows``)."""
+    g = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for dtype, (hq, hkv, d), n in ((torch.float32, (9, 3, 64), 150), (torch.bfloat16, (8, 2, 32), 137)):
+        bs = 16
+        nb = (n + bs - 1) // bs + 2
+        kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+        vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+        table = torch.randperm(nb, generator=g)[: (n + bs - 1) // bs].to(torch.int32)
+        q = torch.randn(n, hq, d, generator=g).to(dtype)
+        k = kc[table.long()].reshape(-1, hkv, d)[:n]
+        v = vc[table.long()].reshape(-1, hkv, d)[:n]
+        full = rows_attention(q, kc, vc, table, 0, 0.2, threads=2)
+        want = causal_reference(q, k, v, 0, 0.2)
+        err = float((full.double() - want).abs().max() / want.abs().max())
+        if not err <= CHECK_TOL[dtype]:
+            raise AssertionError(f"rows {dtype} Hq={hq} Hkv={hkv} D={d}: relative error {err:.3g} over "
+                                 f"{CHECK_TOL[dtype]}")
+        worst = max(worst, err)
+        cuts = (0, 1, 2, 63, 64, 65, 100, n - 1, n)
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            part = rows_attention(q[a:b], kc, vc, table, a, 0.2, threads=1 + i % 2)
+            if not torch.equal(part, full[a:b]):
+                raise AssertionError(f"rows {dtype}: rows {a}..{b} computed alone differ from the same rows of one "
+                                     f"{n}-row call")
+    return {"rows": round(worst, 8)}
