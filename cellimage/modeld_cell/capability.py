@@ -62,6 +62,10 @@ def capability(e: Engine) -> dict:
                     "decode_threads": getattr(e.runner, "decode_threads_report", None),
                     "decode_step": getattr(e.runner, "decode_step_report", None),
                     "decoded_kv": getattr(e.runner, "decoded_kv_report", None),
+                    # the prefill attention chosen for the model (runner.choose_row_attention) and whether this
+                    # engine's pool takes it
+                    "prefill_attention": {**(getattr(e.model, "row_attention_report", None) or {}),
+                                          "serves_this_pool": getattr(e.runner, "rows_attention", None) is not None},
                     "weights_dtype": e.config.weights, "weights_requested": e.config.weights_storage,
                     "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
                     "weights_layout": e.identity.get("weights_kernel"),       # as held: e.g. "dense; oneDNN-packed: 120"

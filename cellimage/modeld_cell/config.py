@@ -67,6 +67,9 @@ class EngineSettings:
     # the CPU kernels built at start with the machine's C compiler (kernels/paged_decode/cpu.c, the recomputing
     # step's attention): auto (built where a compiler is, served where measured faster), on (required), off
     cpu_kernels: str = "auto"                           # MODELD_CPU_KERNELS
+    # a CPU cell's prefill attention (runner.choose_row_attention): auto (cpu.c's row attention where measured faster
+    # than the segmented flash calls), rows (required), segmented (never the row attention)
+    prefill_attention: str = "auto"                     # MODELD_PREFILL_ATTENTION
 
     @classmethod
     def from_env(cls) -> EngineSettings:
@@ -110,6 +113,10 @@ class EngineSettings:
         if ck not in ("auto", "on", "off"):
             raise ValueError(f"MODELD_CPU_KERNELS must be auto, on or off, got {ck!r}")
         s.cpu_kernels = ck
+        pa = os.environ.get("MODELD_PREFILL_ATTENTION", "auto").strip().lower() or "auto"
+        if pa not in ("auto", "rows", "segmented"):
+            raise ValueError(f"MODELD_PREFILL_ATTENTION must be auto, rows or segmented, got {pa!r}")
+        s.prefill_attention = pa
         s.pack_weights = _switch("MODELD_PACK_WEIGHTS")
         s.int8_head = _switch("MODELD_INT8_HEAD")
         mode = os.environ.get("MODELD_DECODE_ATTENTION", "auto").strip().lower()

@@ -89,8 +89,9 @@ def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kin
     kc, vc: each layer's cache [num_blocks, BS, Hkv, D]; slot: [1] the token's flat slot; table: [nblk] int32 block table;
     start: first block when consecutive else -1; n: tokens in the cache after this step; exact: the eager step's
     ops (the bits a prefill of the token computes), else the recomputing step's (``one_call_row``, a dense row
-    multiplied alone); kernel (recomputing step only): the row's attention by the CPU paged-decode kernel
-    (kernels/paged_decode/cpu.c), reading the cache in place through ``table``. Returns x [1, dim]."""
+    multiplied alone); kernel: the row's attention by the CPU kernels (kernels/paged_decode/cpu.c) reading the cache
+    in place through ``table``: the exact step's by the row attention (where a prefill attends through it), the
+    recomputing step's by the paged-decode kernel. Returns x [1, dim]."""
     for i in range(len(kc)):
         j = 4 * i
         qkv = _linear(M.rms_norm(x, norms[2 * i], eps), kinds[j], ws[j], auxs[j], biases[j], groups[j], exact)
@@ -99,7 +100,9 @@ def decode_layers(x: Tensor, cos: Tensor, ssin: Tensor, norms: list[Tensor], kin
         v = qkv[:, (hq + hkv) * d :].view(1, hkv, d)
         kc[i].view(-1, hkv, d).index_copy_(0, slot, k.to(kc[i].dtype))      # PagedKVCache.write
         vc[i].view(-1, hkv, d).index_copy_(0, slot, v.to(vc[i].dtype))
-        if kernel and not exact:
+        if kernel and exact:      # the row attention a prefill of the token runs (cpu.c's, in place)
+            o = torch.ops.modeld.rows_attention_cpu(q[0:1], kc[i], vc[i], table, n - 1, scale)
+        elif kernel:
             o = torch.ops.modeld.paged_decode_cpu(q[0:1], kc[i], vc[i], table, n, scale)
         else:
             kp = _past(kc[i], table, start, n, bs, q.dtype)
@@ -171,12 +174,13 @@ class ScriptedDecode:
     table; returns fp32 logits [1, V] (what ``model(...)`` returns for a one-session decode forward). The weights are
     read off the modules at every call, so packing or unpacking them later is followed. ``exact`` False: the
     recomputing step (``decode_layers``' exact=False; its tokens' K/V are computed again by the next prefill);
-    ``kernel`` True (recomputing step only): its attention by the CPU paged-decode kernel (``kernel_eligible``)."""
+    ``kernel`` True: its attention by the CPU kernels (``kernel_eligible``): the exact step's by the row attention
+    (only where the runner's prefills attend through it), the recomputing step's by the paged-decode kernel."""
 
     def __init__(self, model: Any, kv: Any, exact: bool = True, kernel: bool = False) -> None:
         why = eligible(model, kv)
         if why is None and kernel:
-            why = "the exact step never takes the kernel" if exact else kernel_eligible(model, kv)
+            why = kernel_eligible(model, kv)
         if why is not None:
             raise ValueError(why)
         self.model, self.kv, self.exact, self.kernel = model, kv, exact, kernel

@@ -69,6 +69,11 @@ class Engine:
         # builds attention metadata, owns the kernel choice: runner.py (torch), triton_runner.py (triton)
         # (a multi-rank cell's loader passes its driving runner: parallel/ranks.py)
         self.runner = runner if runner is not None else runner_for(config.backend)(model, kv)
+        # the prefill attention is part of every K/V bit past the first layer: the identity names cpu.c's row
+        # attention where this engine's pool takes it (a sibling with a quantized pool keeps the segmented calls)
+        self.identity = {k: v for k, v in identity.items() if k != "prefill_attention"}
+        if rows := getattr(self.runner, "rows_attention", None):
+            self.identity["prefill_attention"] = rows
         self.startup: dict | None = None                 # a device backend's start-up forward (loader.load_engine)
         # while the loader gates a quantized-weights cell: builds the checkpoint in fp32 (profile_gate's reference)
         self.fp32_weights: Callable[[], Transformer] | None = None

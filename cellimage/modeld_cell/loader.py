@@ -522,6 +522,12 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
             pack_and_probe(model)    # before the identity: what the layout computes is part of every K/V bit
         else:
             model.pack_refused = plain
+    if rk is None and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu" and not hasattr(
+            model, "row_attention_report"):
+        # before the identity: the prefill attention's arithmetic is part of every K/V bit past the first layer
+        from .runner import choose_row_attention
+        choose_row_attention(model, settings.prefill_attention, settings.cpu_kernels, kv_format(cfg.kv).storage,
+                             settings.threads or torch.get_num_threads(), quality_cache)
     runner = None
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kernels import dispatch
+from .kernels.paged_decode.cpu import rows_attention
 from .kernels.quant_kv.reference import dequantize, format_of, is_rotated, rotate, unrotate
 
 
@@ -135,6 +136,10 @@ class AttnMetadata:
     # A backend's whole attention, carried per forward: fn(q, k_new, v_new, k_cache, v_cache, meta, scales) -> [N, Hq,
     # D] (the triton runner's kernels, triton_runner.py); None = the torch paths below.
     attend: Callable[..., Tensor] | None = None
+    # CPU prefill chunks, and the exact decode rows, attend through cpu.c's row attention (kernels/paged_decode/cpu.py
+    # rows_attention) instead of _segmented_attention: runner.TorchRunner sets it where the model's row_attention
+    # serves its pool (an unquantized bf16/fp32 cache)
+    rows_attention: bool = False
 
 
 # Present since torch 2.3: flash attention on CPU that also returns the natural-log LSE, needed to merge the
@@ -156,10 +161,11 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 48, 64, 97, 128, 255, 30
 @torch.no_grad()
 def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None:
     """Measure, on this process's kernels, what bitwise reuse rests on: every row of a matmul (each of layer 0's four
-    RowLinears, at the model's dtype) and of ``_segmented_attention`` gets the same bits whatever the other rows of
-    its call. None when it holds, else what differed. It is a measurement because it depends on the BLAS / oneDNN
-    kernel the CPU gets: with AMX, bf16 GEMMs of 16-32 rows round differently from 512-row ones (issue #11). Attention
-    runs first, so a CPU whose kernels cannot compute the dtype at all raises here, at start, not at a first request."""
+    RowLinears, at the model's dtype) and of the attention (``_segmented_attention``, or cpu.c's row attention where
+    the model took it) gets the same bits whatever the other rows of its call. None when it holds, else what
+    differed. It is a measurement because it depends on the BLAS / oneDNN kernel the CPU gets: with AMX, bf16 GEMMs of
+    16-32 rows round differently from 512-row ones (issue #11). Attention runs first, so a CPU whose kernels cannot
+    compute the dtype at all raises here, at start, not at a first request."""
     w = model.norm.weight                                  # the compute dtype and device (also of quantized weights)
     if not chunking_invariant(w.device):
         return f"{w.device.type}: not the CPU segmented path"
@@ -169,12 +175,22 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
     k = torch.randn(rows, a.n_kv_heads, a.head_dim, generator=g).to(w.dtype)
     v = torch.randn(rows, a.n_kv_heads, a.head_dim, generator=g).to(w.dtype)
     scale = 1.0 / math.sqrt(a.head_dim)
-    full = _segmented_attention(q, k, v, 0, scale)
+    rows_name = getattr(model, "row_attention", None)
+    if rows_name:        # cpu.c's row attention serves (runner.choose_row_attention): a paged cache of these keys
+        kc, vc = k.view(-1, 16, *k.shape[1:]), v.view(-1, 16, *v.shape[1:])
+        table = torch.arange(kc.shape[0], dtype=torch.int32)
+
+        def attend(q0: int, t: int) -> Tensor:
+            return rows_attention(q[q0 : q0 + t], kc, vc, table, q0, scale)
+    else:
+        def attend(q0: int, t: int) -> Tensor:
+            return _segmented_attention(q[q0 : q0 + t], k[: q0 + t], v[: q0 + t], q0, scale)
+    full = attend(0, rows)
     for q0, t in ((0, 1), (0, 97), (97, 1), (97, 203), (300, 211), (510, 2), (rows - 1, 1)):
-        got = _segmented_attention(q[q0 : q0 + t], k[: q0 + t], v[: q0 + t], q0, scale)
+        got = attend(q0, t)
         if not torch.equal(got, full[q0 : q0 + t]):
-            return (f"attention ({w.dtype}): {t} rows at position {q0} differ from the same rows of a one-pass "
-                    f"{rows}-row call on this CPU")
+            return (f"attention ({rows_name or 'segmented'}, {w.dtype}): {t} rows at position {q0} differ from the "
+                    f"same rows of a one-pass {rows}-row call on this CPU")
     layer = model.layers[0]
     return linears_row_invariant((("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
                                   ("feed_forward.w13", layer.feed_forward.w13),
@@ -413,6 +429,9 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
     if meta.kind == "decode":
         out = torch.empty_like(q)
         for b, s in enumerate(meta.seq_lens_list):
+            if cpu and meta.rows_attention and ks is None:   # the row attention a prefill runs, for this row
+                out[b] = rows_attention(q[b : b + 1], k_cache, v_cache, meta.block_tables[b], s - 1, scale)[0]
+                continue
             if cpu:   # the same computation a prefill does for this row (chunking-invariant; exact reuse)
                 kb, vb = _past_float(k_cache, ks, meta, s, q.dtype, b), _past_float(v_cache, vs, meta, s, q.dtype, b)
                 out[b] = _segmented_attention(q[b : b + 1], kb, vb, s - 1, scale)[0]
@@ -439,6 +458,9 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
                                           max_density=sp["max_density"], return_info=True)
         meta.sparse_log.append(info)
         return o
+    if cpu and meta.rows_attention and ks is None:
+        # cpu.c's row attention, in place through the block table: each row's bits depend on its position only
+        return rows_attention(q, k_cache, v_cache, meta.block_tables[0], past, scale)
     if cpu:
         # keys read back from the cache (the new rows included): a quantized cache attends what it stores, the same
         # values a later chunk or a decode step will read, so the result does not depend on the chunking

@@ -101,6 +101,9 @@ class TorchRunner:
         self.decoded_kv = "exact"
         self.recompute_step: Any = None
         self.decoded_kv_report: dict[str, Any] | None = None
+        # prefill chunks and exact decode rows attend through cpu.c's row attention (choose_row_attention chose it
+        # for the model; it serves an unquantized bf16/fp32 pool): its name, part of the cache identity, else None
+        self.rows_attention: str | None = rows_attention_serves(model, kv)
 
     # the backend's attention for every forward (AttnMetadata.attend); None: model.py's torch paths
     attend: Callable[..., Tensor] | None = None
@@ -114,6 +117,9 @@ class TorchRunner:
     def kernels(self) -> dict[str, str]:
         """What each kind of forward runs, in words (the capability report)."""
         dev = self.kv.k.device
+        if self.rows_attention:
+            return {"prefill": f"{self.rows_attention}: each row on its own (CPU; chunking-invariant)",
+                    "decode": self.decode_kernel, "device": str(dev)}
         return {"prefill": ("torch segmented flash (CPU; chunking-invariant)" if self.chunking_invariant
                             else "torch sdpa") + ("; past blocks dequantized per chunk" if self.kv.fmt.quantized else ""),
                 "decode": self.decode_kernel, "device": str(dev)}
@@ -384,7 +390,8 @@ class TorchRunner:
         servable = why is None                  # "script" stops the worker only for a step this cell could serve
         if why is None:
             try:
-                step = decode_step.ScriptedDecode(self.model, self.kv)
+                # the exact step attends as a prefill does: through the row attention where it serves
+                step = decode_step.ScriptedDecode(self.model, self.kv, kernel=self.rows_attention is not None)
             except Exception as e:      # TorchScript absent or unable to compile this torch's ops
                 why = f"torch.jit.script failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         if step is not None:
@@ -603,7 +610,8 @@ class TorchRunner:
             kind="prefill", slot_mapping=self.kv.slots(blocks, start, end).to(dev),
             block_tables=torch.tensor([blocks[:nblk]], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([end], dtype=torch.int32, device=dev), seq_lens_list=[end],
-            block_size=self.kv.block_size, contiguous=[contig_start(blocks, nblk)], attend=self.attend)
+            block_size=self.kv.block_size, contiguous=[contig_start(blocks, nblk)], attend=self.attend,
+            rows_attention=self.rows_attention is not None)
         meta.sparse = sparse
         toks = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
@@ -648,9 +656,103 @@ class TorchRunner:
                             seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_list=seq,
                             block_size=bs, contiguous=[contig_start(t, n) for t, n in zip(tables, nblks, strict=True)],
                             decode_kernel=self._decode_fn, quant_decode_dispatch=self._quant_dispatch,
-                            attend=self.attend)
+                            attend=self.attend, rows_attention=self.rows_attention is not None)
         return self.forward(torch.tensor(toks, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), meta)
+
+
+def rows_attention_serves(model: Transformer, kv: PagedKVCache) -> str | None:
+    """The row attention's name where ``model`` took it (choose_row_attention) and ``kv`` is a pool it reads (an
+    unquantized bf16/fp32 cache on the CPU), else None."""
+    name = getattr(model, "row_attention", None)
+    if name is None or kv.fmt.quantized or kv.k.device.type != "cpu" or kv.fmt.storage not in (torch.float32,
+                                                                                                torch.bfloat16):
+        return None
+    return name
+
+
+# where choose_row_attention times the two attentions: one 512-row prefill chunk after 3,584 cached tokens (the
+# 4k prompt's last chunk), the tier's end where it is shorter
+ROWS_MEASURE = (512, 3584)
+
+
+@torch.no_grad()
+def choose_row_attention(model: Transformer, setting: str, cpu_kernels: str, kv_storage: torch.dtype, threads: int,
+                         cache_dir: str | None, reps: int = 5) -> dict[str, Any]:
+    """Whether a CPU cell's prefill chunks (and its exact decode rows, which must compute what a prefill computes)
+    attend through cpu.c's row attention (kernels/paged_decode/cpu.py ``rows_attention``) or model.py's segmented
+    flash calls. Sets ``model.row_attention`` (its name, which the cache identity then carries, or None) and returns
+    the report (``model.row_attention_report``; the capability's ``runtime.prefill_attention``). Call before the
+    cache identity is written: the two compute other bits.
+
+    ``setting`` is MODELD_PREFILL_ATTENTION: "segmented" never takes it; "rows" takes it untimed (errors.Fatal where
+    it cannot serve); "auto" times one layer's attention of a ROWS_MEASURE chunk both ways, ``reps`` times
+    alternately at ``threads``, on seeded random queries and keys in a ``kv_storage`` pool, and takes the row
+    attention when its median is the lower. ``cpu_kernels`` (MODELD_CPU_KERNELS) "off" builds no C kernel at all."""
+    from . import model as M
+    from .kernels.paged_decode import cpu as cpu_kernels_mod
+
+    model.row_attention = None
+    rep: dict[str, Any] = {"served": "segmented", "setting": setting}
+    a = model.args
+    dtype = model.compute_dtype
+    why = None
+    if setting == "segmented":
+        why = "MODELD_PREFILL_ATTENTION=segmented"
+    elif cpu_kernels == "off":
+        why = "MODELD_CPU_KERNELS=off"
+    elif not M.chunking_invariant(model.norm.weight.device):
+        why = "not the CPU segmented path"
+    elif dtype not in (torch.float32, torch.bfloat16) or kv_storage not in (torch.float32, torch.bfloat16):
+        why = f"the row attention computes bf16/fp32 over a bf16/fp32 cache, not {dtype} over {kv_storage}"
+    if why is None:
+        build = cpu_kernels_mod.load(cache_dir)
+        why = build["reason"] if not build["loaded"] else cpu_kernels_mod.rows_refused(a.n_heads, a.n_kv_heads,
+                                                                                       a.head_dim)
+    if why is not None and setting == "rows":
+        raise errors.Fatal(f"MODELD_PREFILL_ATTENTION=rows, but {why}")
+    if why is None and setting == "rows":
+        rep.update(served=cpu_kernels_mod.ROWS_NAME, reason="MODELD_PREFILL_ATTENTION=rows")
+    elif why is None:
+        rows, past = ROWS_MEASURE
+        past = max(0, min(past, a.max_seq_len - rows))
+        n, bs = past + rows, 16
+        g = torch.Generator().manual_seed(23)
+        q = torch.randn(rows, a.n_heads, a.head_dim, generator=g).to(dtype)
+        kc = torch.randn(-(-n // bs), bs, a.n_kv_heads, a.head_dim, generator=g).to(kv_storage)
+        vc = torch.randn(kc.shape, generator=g).to(kv_storage)
+        table = torch.arange(kc.shape[0], dtype=torch.int32)
+        scale = a.head_dim ** -0.5
+
+        def segmented() -> Tensor:        # as model._attention's CPU prefill: the past widened, then the flash calls
+            k, v = kc.view(-1, a.n_kv_heads, a.head_dim)[:n], vc.view(-1, a.n_kv_heads, a.head_dim)[:n]
+            return M._segmented_attention(q, k.to(dtype), v.to(dtype), past, scale)
+
+        def rows_fn() -> Tensor:
+            return cpu_kernels_mod.rows_attention(q, kc, vc, table, past, scale, threads)
+
+        times: dict[str, list[float]] = {"segmented": [], "rows": []}
+        with _intra_op(threads, torch.get_num_threads()):
+            for _ in range(reps + 1):                 # the first round is warm-up
+                for name, fn in (("segmented", segmented), ("rows", rows_fn)):
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        ms = {k: round(statistics.median(v[1:]), 2) for k, v in times.items()}
+        rep.update(median_ms=ms, rows=rows, past=past, threads=threads, reps=reps)
+        if ms["rows"] < ms["segmented"]:
+            rep.update(served=cpu_kernels_mod.ROWS_NAME, reason=(
+                f"one layer's attention of {rows} rows after {past} cached tokens took {ms['rows']} ms, the "
+                f"segmented flash calls {ms['segmented']} ms"))
+        else:
+            why = (f"the segmented flash calls took {ms['segmented']} ms for one layer's attention of {rows} rows "
+                   f"after {past} cached tokens, the row attention {ms['rows']} ms")
+    if why is not None:
+        rep["reason"] = why
+    else:
+        model.row_attention = rep["served"]
+    model.row_attention_report = rep
+    return rep
 
 
 def runner_for(backend: str) -> type[TorchRunner]:
