@@ -49,6 +49,21 @@ def exact_decoded_kv() -> None:
     yield from _env("MODELD_DECODED_KV", "exact")
 
 
+def rows_or_segmented() -> str:
+    """"rows" where this machine builds and checks cpu.c's row attention (an AVX2 CPU with a C compiler), else
+    "segmented": the prefill attention the cell tier pins, so its exactness tests run the path this machine serves
+    rather than whichever the start-up timing favours (test_invariance.py runs both where both exist)."""
+    from modeld_cell.kernels.paged_decode import cpu
+    rep = cpu.load(None)
+    return "rows" if rep["loaded"] and rep.get("rows_isa") else "segmented"
+
+
+@pytest.fixture(scope="package", autouse=True)
+def pinned_prefill_attention() -> None:
+    """Every cell-tier engine loaded from the environment attends as ``rows_or_segmented`` says."""
+    yield from _env("MODELD_PREFILL_ATTENTION", rows_or_segmented())
+
+
 def _env(name: str, value: str):
     before = os.environ.get(name)
     os.environ[name] = value
@@ -72,7 +87,8 @@ def smollm2_path() -> str:
 def engine(smollm2_path: str) -> Engine:
     # Settings named here, not through the package fixtures' environment: pytest makes a session fixture before a
     # package one, so this engine would otherwise read the variables before they are set. Siblings follow its steps.
-    settings = dataclasses.replace(EngineSettings.from_env(), decode_step="script", decoded_kv="exact")
+    settings = dataclasses.replace(EngineSettings.from_env(), decode_step="script", decoded_kv="exact",
+                                   prefill_attention=rows_or_segmented())
     eng = Engine.from_cell(SPEC, model_path=smollm2_path, settings=settings)
     yield eng
     eng.shutdown()

@@ -3,16 +3,18 @@
 A position's K/V and next-token logits must be the same bits however the sequence got into the cache: one prefill
 chunk, chunks cut anywhere (after a reused prefix), blocks shared from another session, or tokens decoded one at a
 time in an earlier turn; and a session's output must not depend on which other sessions decode in the same batch.
-model._segmented_attention and model.RowLinear are built for this (docs/reuse.md, "Exactness"). Whether this CPU's
-kernels keep it is measured when the engine starts (model.probe_chunking_invariance): the engine claims "bitwise" only
-when the probe passes. These tests hold the engine to its claim: bit for bit and the same greedy tokens where it says
-bitwise; within TOLERANCE_ATOL where it says tolerance (an AMX Xeon's bf16 GEMMs round 16-32-row calls differently
-from 512-row ones), with the greedy tokens then printed, not asserted.
+model._segmented_attention (or cpu.c's row attention, kernels/paged_decode/cpu.py rows_attention) and model.RowLinear
+are built for this (docs/reuse.md, "Exactness"). Whether this CPU's kernels keep it is measured when the engine
+starts (model.probe_chunking_invariance): the engine claims "bitwise" only when the probe passes. These tests hold the
+engine to its claim: bit for bit and the same greedy tokens where it says bitwise; within TOLERANCE_ATOL where it says
+tolerance (an AMX Xeon's bf16 GEMMs round 16-32-row calls differently from 512-row ones), with the greedy tokens then
+printed, not asserted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from modeld_cell import errors
 from modeld_cell.engine import Engine, EngineSettings
 
 from .cellutil import generate
-from .conftest import SPEC, engine_factory
+from .conftest import SPEC, engine_factory, rows_or_segmented
 
 pytestmark = pytest.mark.cell
 
@@ -31,12 +33,18 @@ TEXT = ("def parse(line):\n    key, _, value = line.partition('=')\n    return k
 
 @pytest.fixture(scope="module")
 def bf16(smollm2_path: str) -> Engine:
+    """The bf16 cell, prefilling through the attention the cell tier pins (conftest.rows_or_segmented): cpu.c's row
+    attention where this machine has it. Its int8 KV siblings attend through the segmented flash calls (the row
+    attention reads unquantized pools only), so both paths are held to bitwise reuse here."""
     spec = {**SPEC, "profile": {**SPEC["profile"], "weights": "bf16", "kv": "bf16"}}
+    settings = dataclasses.replace(EngineSettings.from_env(), prefill_attention=rows_or_segmented())
     try:
-        eng = Engine.from_cell(spec, model_path=smollm2_path)
+        eng = Engine.from_cell(spec, model_path=smollm2_path, settings=settings)
     except errors.Unsupported as e:       # a CPU whose torch kernels have no bf16 path (ATEN_CPU_CAPABILITY=avx2)
         assert e.details["field"] == "profile.weights", e.details
         pytest.skip(f"the engine refuses bf16 weights on this CPU: {e}")
+    assert eng.identity.get("prefill_attention") == (eng.model.row_attention if rows_or_segmented() == "rows"
+                                                     else None)
     yield eng
     eng.shutdown()
 
@@ -123,10 +131,13 @@ async def assert_like_cold(make, eng: Engine, sid: str, toks: list[int], n_new: 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
 async def test_any_chunking_gives_the_same_bits(sibling, kv):
-    """Cuts at 1, 97, 300, 511/512/513 (segment edges), and a one-token chunk: the same logits, the same greedy text."""
+    """Cuts at 1, 97, 300, 511/512/513 (segment edges), and a one-token chunk: the same logits, the same greedy text.
+    A bf16 pool attends as the cell pins it (the row attention where the machine has it), an int8 one through the
+    segmented flash calls."""
     n = 1100
     toks = prompt(sibling(), n)
     ref = sibling(512, kv=kv)
+    assert ref.runner.rows_attention == (ref.model.row_attention if kv == "bf16" else None)
     claims_bitwise(ref)                                          # what GET /v1/capability -> reuse says
     await ref.ensure_prefix("a", toks)
     want_lg = logits(ref, "a")
