@@ -934,7 +934,7 @@ int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float 
  * and an LSE merge. AVX2 + FMA only (AVX-512 machines run the same loop); modeld_prefill_attention returns 1 where
  * the build or the shape is not taken and the caller keeps the segmented path.
  *
- * Work: (kv head, PA_TT-token tile) units, dealt to the pool's threads in turn. A unit keeps its rows' query (scaled),
+ * Work: (kv head, PA_TT-token tile) units, taken by the pool's threads from a shared counter, latest tiles first. A unit keeps its rows' query (scaled),
  * output, max and sum in scratch; for each key block it transposes the keys ([D][PA_KB]) and widens the values to
  * fp32 once, scores PA_ROWS rows at a time (2 x 8-key vectors x 6 rows of FMAs), then updates each row and
  * accumulates P.V for the G rows of one token (their keys are the same) three at a time over 32-float slabs of D.
@@ -1087,6 +1087,7 @@ typedef struct {
     float scale;
     float *work;
     int64_t per_part; /* floats of work a part */
+    atomic_int next;  /* the next unit to take */
 } pa_job;
 
 /* per part: qf, o [PA_TT * G, D], s [PA_TT * G + PA_ROWS, PA_KB] (a tile's last score rows may run past its rows),
@@ -1193,10 +1194,14 @@ static void pa_unit(const pa_job *j, int h, int tile, float *w) {
     }
 }
 
+/* Units are taken from a shared counter, the latest tiles (the most keys) first, so a thread slowed by anything
+ * else on the machine takes fewer; which thread computes a row never enters its arithmetic. */
 static void pa_part(void *p, int part, int parts) {
-    const pa_job *j = (const pa_job *)p;
+    pa_job *j = (pa_job *)p;
+    (void)parts;
     float *w = j->work + (int64_t)part * j->per_part;
-    for (int u = part; u < j->units; u += parts) pa_unit(j, u % j->hkv, u / j->hkv, w);
+    for (int u; (u = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->units;)
+        pa_unit(j, u % j->hkv, j->tiles - 1 - u / j->hkv, w);
 }
 
 static int pa_takes(int hq, int hkv, int d) {
@@ -1240,7 +1245,7 @@ int modeld_prefill_attention(const void *q, void *out, const void *k_cache, cons
         cap = per * threads;
     }
     pa_job j = {q, k_cache, v_cache, out, table, q0, t, bs, hq, hkv, d, kv_bf16, q_bf16, tiles, units, scale, work,
-                per};
+                per, 0};
     pool_run(pa_part, &j, threads);
     return 0;
 #else
