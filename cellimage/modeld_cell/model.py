@@ -430,7 +430,8 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
         out = torch.empty_like(q)
         for b, s in enumerate(meta.seq_lens_list):
             if cpu and meta.rows_attention and ks is None:   # the row attention a prefill runs, for this row
-                out[b] = rows_attention(q[b : b + 1], k_cache, v_cache, meta.block_tables[b], s - 1, scale)[0]
+                out[b] = torch.ops.modeld.rows_attention_cpu(q[b : b + 1], k_cache, v_cache, meta.block_tables[b],
+                                                             s - 1, scale)[0]
                 continue
             if cpu:   # the same computation a prefill does for this row (chunking-invariant; exact reuse)
                 kb, vb = _past_float(k_cache, ks, meta, s, q.dtype, b), _past_float(v_cache, vs, meta, s, q.dtype, b)
@@ -460,7 +461,8 @@ def _attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
         return o
     if cpu and meta.rows_attention and ks is None:
         # cpu.c's row attention, in place through the block table: each row's bits depend on its position only
-        return rows_attention(q, k_cache, v_cache, meta.block_tables[0], past, scale)
+        # (through its torch op, so a profile names it)
+        return torch.ops.modeld.rows_attention_cpu(q, k_cache, v_cache, meta.block_tables[0], past, scale)
     if cpu:
         # keys read back from the cache (the new rows included): a quantized cache attends what it stores, the same
         # values a later chunk or a decode step will read, so the result does not depend on the chunking
