@@ -116,10 +116,9 @@ def main() -> None:
             out["runs"].append(res)
             print(f"round {r + 1} {s}: append {a.append} after {a.past}: {res['append_s']} s (median "
                   f"{res['append_s_median']}); {res['prefill_attention']}", flush=True)
-    out["loadavg_end"] = round(os.getloadavg()[0], 2)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from benchjson import write
+    write(out, a.out)
 
 
 if __name__ == "__main__":

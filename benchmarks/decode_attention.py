@@ -25,7 +25,6 @@ Figures vary by CPU and by what else runs: the JSON records the CPU, torch and t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -135,10 +134,9 @@ def main() -> None:
             pads[str(p)] = {"lengths_whose_bits_differ": len(differ), "first": differ[:8]}
             print(f"{name} padding to a multiple of {p}: {len(differ)} of {seg} lengths differ", flush=True)
         out["padding"][name] = pads
-    out["loadavg_end"] = round(os.getloadavg()[0], 2)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from benchjson import write
+    write(out, a.out)
 
 
 if __name__ == "__main__":

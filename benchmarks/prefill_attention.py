@@ -21,7 +21,6 @@ median of --rounds, the three ways alternated within a round.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -101,10 +100,9 @@ def main() -> None:
                         f"rows{t}", {})[str(past)] = res
                     print(f"{name} threads {threads} rows {t:4d} past {past:5d}: "
                           + ", ".join(f"{k} {v:8.3f} ms" for k, v in res.items()), flush=True)
-    out["loadavg_end"] = round(os.getloadavg()[0], 2)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from benchjson import write
+    write(out, a.out)
 
 
 if __name__ == "__main__":

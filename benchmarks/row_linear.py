@@ -21,7 +21,6 @@ Figures vary by CPU and by what else runs: the JSON records the CPU, torch and t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -129,10 +128,9 @@ def main() -> None:
         out["per_layer_us"][name] = res
         out["weights_gb_s"][name] = {th: {k: round(nbytes / v / 1e3, 1) for k, v in row.items()}
                                      for th, row in res.items()}
-    out["loadavg_end"] = round(os.getloadavg()[0], 2)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {a.out}")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from benchjson import write
+    write(out, a.out)
 
 
 if __name__ == "__main__":

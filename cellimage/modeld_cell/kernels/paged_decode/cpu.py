@@ -59,13 +59,7 @@ def _paged_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor
     if _lib is None:
         raise RuntimeError("the CPU paged-decode kernel is not loaded (kernels.paged_decode.cpu.load)")
     hq, d = q.shape[-2], q.shape[-1]
-    nb, bs, hkv, dk = k_cache.shape
-    if dk != d or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    if k_cache.dtype not in (torch.float32, torch.bfloat16) or q.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the CPU kernel takes fp32/bf16, got q {q.dtype}, cache {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or table.dtype != torch.int32:
-        raise ValueError("the CPU kernel takes contiguous caches and an int32 block table")
+    bs, hkv = _check_paged(q, k_cache, v_cache, table, "the CPU kernel")
     if n < 1 or table.numel() * bs < n:
         raise ValueError(f"n={n} is not covered by a block table of {table.numel()} blocks of {bs}")
     q = q.contiguous()
@@ -84,6 +78,18 @@ _lib_def.impl("paged_decode_cpu", _paged_decode_cpu, "CPU")
 # the row attention (rows_attention below), for the scripted exact decode step where a prefill attends through it
 _lib_def.define("rows_attention_cpu(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int q0, float scale) -> "
                 "Tensor")
+
+
+def _check_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, who: str) -> tuple[int, int]:
+    """ValueError naming what a C kernel reading paged caches cannot take; else (BLOCK_SIZE, Hkv)."""
+    _, bs, hkv, dk = k_cache.shape
+    if dk != q.shape[-1] or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{who} takes fp32/bf16, got q {q.dtype}, cache {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or table.dtype != torch.int32:
+        raise ValueError(f"{who} takes contiguous caches and an int32 block table")
+    return bs, hkv
 
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
@@ -387,13 +393,7 @@ def rows_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, q
     if _lib is None:
         raise RuntimeError("the CPU kernels are not loaded (kernels.paged_decode.cpu.load)")
     t, hq, d = q.shape
-    nb, bs, hkv, dk = k_cache.shape
-    if dk != d or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    if k_cache.dtype not in (torch.float32, torch.bfloat16) or q.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the row attention takes fp32/bf16, got q {q.dtype}, cache {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or table.dtype != torch.int32:
-        raise ValueError("the row attention takes contiguous caches and an int32 block table")
+    bs, hkv = _check_paged(q, k_cache, v_cache, table, "the row attention")
     if q0 < 0 or t < 1 or table.numel() * bs < q0 + t:
         raise ValueError(f"{q0} + {t} keys are not covered by a block table of {table.numel()} blocks of {bs}")
     q, table = q.contiguous(), table.contiguous()
