@@ -2,6 +2,10 @@
 reference: GQA ratios, head dims on and off the AVX-512 loop, page boundaries, shuffled tables, fp32 / bf16 caches
 and queries; its build cache; bad input; and a build or check that fails leaving it off with the reason."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -92,6 +96,22 @@ def test_the_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch):
     assert first["loaded"] and again["loaded"] and first["library"] == again["library"]
     assert again["built_s"] == 0.0 and first["library"].startswith(str(tmp_path / "kernels"))
     assert len(list((tmp_path / "kernels").glob("paged_decode_cpu-*.so"))) == 1
+
+
+def test_loading_it_leaves_the_processs_floating_point_as_it_was(tmp_path):
+    """Built with -ffast-math given to the link, gcc added crtfastmath.o, and loading the library turned on
+    flush-to-zero for the whole worker: every torch op after it lost its subnormals. A fresh interpreter (nothing
+    loaded before) keeps a subnormal through a multiply after loading a fresh build."""
+    if cpu._compiler() is None:
+        pytest.skip("no C compiler on PATH")
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); "
+            "from modeld_cell.kernels.paged_decode import cpu; "
+            "rep = cpu.load(sys.argv[2]); assert rep['loaded'], rep['reason']; "
+            "x = torch.tensor([1e-40]) * 1.0; print(float(x[0]) > 0)")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(cpu.__file__).parents[3]), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
 
 
 def test_a_failed_build_or_check_leaves_the_kernel_off_with_the_reason(tmp_path, monkeypatch):

@@ -1006,7 +1006,7 @@ static inline __attribute__((always_inline)) void pa_softmax(const int NR, float
     const __m256 low = _mm256_set1_ps(-FLT_MAX);
     __m256 acc[3], mv[3], keep[PA_KB / 8];
     const int nv = (valid + 7) / 8;
-    if (valid < PA_KB) { /* a row's last block: lanes at and past valid masked (no infinities: built -ffast-math) */
+    if (valid < PA_KB) { /* a row's last block: lanes at and past valid masked (no infinities: built -ffinite-math-only) */
         const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
         for (int c = 0; c < nv; c++)
             keep[c] = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)(8 * c))),

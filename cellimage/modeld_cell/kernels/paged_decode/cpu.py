@@ -35,7 +35,13 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread")
+# -ffast-math's code generation, spelled out: given as -ffast-math (or -funsafe-math-optimizations) to a link, gcc
+# (12 at least) adds crtfastmath.o even to a shared library, whose constructor sets the CPU's flush-to-zero and
+# denormals-are-zero bits for the whole process on load: every torch op after it then computed with subnormals
+# flushed (a library the worker loads at start must not change the numerics of the rest of the process).
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math",
+         "-freciprocal-math", "-ffinite-math-only", "-fno-rounding-math", "-fno-signaling-nans",
+         "-fcx-limited-range", "-fexcess-precision=fast", "-fPIC", "-shared", "-pthread")
 # the self-check's bound on |kernel - reference| against the reference's own scale (fp32 math both; bf16 rounds the
 # output once): wider than either rounding, far narrower than a wrong head, mask or scale. The row linear (gemv) is
 # checked against F.linear in fp64 on the same bf16/fp32 inputs: fp32 sums in another order, so the same bounds.
