@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
+import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -686,9 +689,12 @@ def choose_row_attention(model: Transformer, setting: str, cpu_kernels: str, kv_
     cache identity is written: the two compute other bits.
 
     ``setting`` is MODELD_PREFILL_ATTENTION: "segmented" never takes it; "rows" takes it untimed (errors.Fatal where
-    it cannot serve); "auto" times one layer's attention of a ROWS_MEASURE chunk both ways, ``reps`` times
+    the kernel cannot build or take the model's dtype and heads; a ``kv_storage`` it does not read, quantized or
+    fp16, keeps the segmented calls whatever the setting, with the reason); "auto" times one layer's attention of a ROWS_MEASURE chunk both ways, ``reps`` times
     alternately at ``threads``, on seeded random queries and keys in a ``kv_storage`` pool, and takes the row
-    attention when its median is the lower. ``cpu_kernels`` (MODELD_CPU_KERNELS) "off" builds no C kernel at all."""
+    attention when its median is the lower; the verdict is kept under ``<cache_dir>/autotune/`` keyed by the CPU,
+    threads, dtypes, heads and cpu.c's source, and a later start takes it again (``cached``): it is part of the
+    cache identity, so a restarted worker must not flip it on a noisy measurement. ``cpu_kernels`` (MODELD_CPU_KERNELS) "off" builds no C kernel at all."""
     from . import model as M
     from .kernels.paged_decode import cpu as cpu_kernels_mod
 
@@ -703,8 +709,14 @@ def choose_row_attention(model: Transformer, setting: str, cpu_kernels: str, kv_
         why = "MODELD_CPU_KERNELS=off"
     elif not M.chunking_invariant(model.norm.weight.device):
         why = "not the CPU segmented path"
-    elif dtype not in (torch.float32, torch.bfloat16) or kv_storage not in (torch.float32, torch.bfloat16):
-        why = f"the row attention computes bf16/fp32 over a bf16/fp32 cache, not {dtype} over {kv_storage}"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why = f"the row attention computes bf16/fp32, not {dtype}"
+    elif kv_storage not in (torch.float32, torch.bfloat16):
+        # not the setting's to refuse: a pool it does not read keeps the segmented calls (as a sibling engine's
+        # quantized pool does, rows_attention_serves), whatever MODELD_PREFILL_ATTENTION says
+        rep["reason"] = f"the row attention reads a bf16/fp32 KV cache, not {kv_storage}"
+        model.row_attention_report = rep
+        return rep
     if why is None:
         build = cpu_kernels_mod.load(cache_dir)
         why = build["reason"] if not build["loaded"] else cpu_kernels_mod.rows_refused(a.n_heads, a.n_kv_heads,
@@ -716,6 +728,23 @@ def choose_row_attention(model: Transformer, setting: str, cpu_kernels: str, kv_
     elif why is None:
         rows, past = ROWS_MEASURE
         past = max(0, min(past, a.max_seq_len - rows))
+        # The choice is part of the cache identity (the two attentions compute other bits), so a start that finds it
+        # measured here takes it again, as the plain-weights verdict does (loader.keep_plain): measured anew at each
+        # start, a noisy start would flip it and a session stored before a restart would be refused as another cell's.
+        from .profile_gate import hardware, read_measurement, write_measurement
+        key = hashlib.sha256(json.dumps({"v": 1, "hardware": hardware("cpu"), "threads": threads, "dtype": str(dtype),
+                                         "kv": str(kv_storage), "heads": [a.n_heads, a.n_kv_heads, a.head_dim],
+                                         "at": [rows, past], "source": hashlib.sha256(
+                                             cpu_kernels_mod.SOURCE.read_bytes()).hexdigest()},
+                                        sort_keys=True).encode()).hexdigest()[:32]
+        path = os.path.join(cache_dir, "autotune", f"prefill-attention-{key}.json") if cache_dir else None
+        rec = read_measurement(path, key, "report", dict)
+        if rec is not None:
+            rep = {**rec["report"], "setting": setting, "cached": True}
+            if rep.get("served") == cpu_kernels_mod.ROWS_NAME:
+                model.row_attention = rep["served"]
+            model.row_attention_report = rep
+            return rep
         n, bs = past + rows, 16
         g = torch.Generator().manual_seed(23)
         q = torch.randn(rows, a.n_heads, a.head_dim, generator=g).to(dtype)
@@ -751,6 +780,9 @@ def choose_row_attention(model: Transformer, setting: str, cpu_kernels: str, kv_
         rep["reason"] = why
     else:
         model.row_attention = rep["served"]
+    if "median_ms" in rep:
+        rep["cached"] = False
+        write_measurement(path, {"key": key, "report": rep})
     model.row_attention_report = rep
     return rep
 

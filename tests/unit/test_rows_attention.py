@@ -64,8 +64,10 @@ def test_the_settings_and_what_refuses_it(rows_kernel, monkeypatch: pytest.Monke
     assert narrow.row_attention is None and "multiple of 32" in rep["reason"]
     with pytest.raises(errors.Fatal, match="multiple of 32"):
         choose_row_attention(narrow, "rows", "auto", torch.float32, 1, None)
-    rep = choose_row_attention(m, "auto", "auto", torch.float16, 1, None)
-    assert m.row_attention is None and "not torch.float32 over torch.float16" in rep["reason"]
+    for setting in ("auto", "rows"):       # a pool it does not read keeps the segmented calls, never a refusal
+        rep = choose_row_attention(m, setting, "auto", torch.float16, 1, None)
+        assert m.row_attention is None and rep["served"] == "segmented"
+        assert rep["reason"] == "the row attention reads a bf16/fp32 KV cache, not torch.float16"
     monkeypatch.setattr(cpu, "load", lambda cache_dir: {"loaded": False, "reason": "no C compiler on PATH"})
     assert choose_row_attention(m, "auto", "auto", torch.float32, 1, None)["reason"] == "no C compiler on PATH"
 
@@ -73,20 +75,42 @@ def test_the_settings_and_what_refuses_it(rows_kernel, monkeypatch: pytest.Monke
 @pytest.mark.parametrize(("rows_ms", "segmented_ms", "served"), [(2.0, 6.0, cpu.ROWS_NAME), (6.0, 2.0, None)])
 def test_auto_serves_the_faster_at_the_tests_prices(rows_kernel, monkeypatch: pytest.MonkeyPatch, rows_ms: float,
                                                      segmented_ms: float, served: str | None) -> None:
-    def priced(ms: float, fn):  # type: ignore[no-untyped-def]
-        def run(*a, **k):  # type: ignore[no-untyped-def]
+    def priced(ms: float):  # type: ignore[no-untyped-def]
+        def run(*a, **k) -> None:  # type: ignore[no-untyped-def]   # the test's price only, no CPU's
             time.sleep(ms / 1e3)
-            return fn(*a, **k)
         return run
 
-    monkeypatch.setattr(cpu, "rows_attention", priced(rows_ms, cpu.rows_attention))
-    monkeypatch.setattr(M, "_segmented_attention", priced(segmented_ms, M._segmented_attention))
+    monkeypatch.setattr(cpu, "rows_attention", priced(rows_ms))
+    monkeypatch.setattr(M, "_segmented_attention", priced(segmented_ms))
     m = _model()
     rep = choose_row_attention(m, "auto", "auto", torch.bfloat16, 2, None, reps=3)
     assert m.row_attention == served and set(rep["median_ms"]) == {"rows", "segmented"}
     assert (rep["median_ms"]["rows"] < rep["median_ms"]["segmented"]) == (served is not None)
     assert rep["rows"] == 512 and rep["past"] == 1024 - 512 and rep["threads"] == 2 and rep["reps"] == 3
     assert rep["reason"].startswith("one layer's attention" if served else "the segmented flash calls took")
+
+
+def test_a_later_start_takes_the_verdict_kept_in_the_cache(rows_kernel, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path) -> None:
+    """The choice is part of the cache identity: measured once per machine, threads, dtypes, heads and cpu.c and
+    kept, so a restart whose own timing would go the other way (here: the prices swapped) serves what it served."""
+    def priced(name: str):  # type: ignore[no-untyped-def]
+        def run(*a, **k) -> None:  # type: ignore[no-untyped-def]   # the test's price only, no CPU's
+            time.sleep(price[name] / 1e3)
+        return run
+
+    price = {"rows": 2.0, "segmented": 6.0}
+    monkeypatch.setattr(cpu, "rows_attention", priced("rows"))
+    monkeypatch.setattr(M, "_segmented_attention", priced("segmented"))
+    first = choose_row_attention(_model(), "auto", "auto", torch.float32, 1, str(tmp_path), reps=3)
+    assert first["served"] == cpu.ROWS_NAME and first["cached"] is False
+    assert len(list((tmp_path / "autotune").glob("prefill-attention-*.json"))) == 1
+    price.update(rows=6.0, segmented=2.0)
+    m = _model()
+    again = choose_row_attention(m, "auto", "auto", torch.float32, 1, str(tmp_path), reps=3)
+    assert again["cached"] is True and again["median_ms"] == first["median_ms"] and m.row_attention == cpu.ROWS_NAME
+    other = choose_row_attention(_model(), "auto", "auto", torch.float32, 2, str(tmp_path), reps=3)
+    assert other["cached"] is False and other["served"] == "segmented"      # another thread count: measured
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
