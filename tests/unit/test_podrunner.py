@@ -5,6 +5,8 @@ handed out again)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,3 +67,44 @@ def test_stop_all_of_processes_already_gone_returns_at_once(tmp_path):
     t0 = time.monotonic()
     pr.Runner.stop_all([run, pr.Running("never-started", ["true"], {}, tmp_path / "x.log")], grace=30.0)
     assert time.monotonic() - t0 < 30.0 and run.stopped
+
+
+def test_a_runner_killed_outright_takes_its_pods_processes_down(tmp_path):
+    """SIGKILL gives the runner no chance to stop anything; the kernel's parent-death signal still sends each pod's
+    process SIGTERM, so none keeps its pod IP after the runner is gone."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    mark = tmp_path / "pod"
+    script = f"trap 'echo term >> {mark}; exit 0' TERM; echo $$ > {mark}.pid; echo up > {mark}; while true; do sleep 0.05; done"
+    runner_code = (
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('podrunner', {str(ROOT / 'hack' / 'podrunner.py')!r})\n"
+        "pr = importlib.util.module_from_spec(spec); sys.modules['podrunner'] = pr; spec.loader.exec_module(pr)\n"
+        f"run = pr.Running('ns/pod', ['bash', '-c', {script!r}], {{'PATH': '/usr/bin:/bin'}}, pr.Path({str(tmp_path / 'pod.log')!r}))\n"
+        f"pr.Runner(pr.Path({str(tmp_path)!r})).spawn(run)\n"
+        "time.sleep(600)\n"
+    )
+    runner = subprocess.Popen([sys.executable, "-c", runner_code])
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.read_text().strip() == "up"
+        pid = int((tmp_path / "pod.pid").read_text())
+        runner.kill()
+        runner.wait()
+        deadline = time.monotonic() + 30
+        while "term" not in mark.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "term" in mark.read_text()
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if (tmp_path / "pod.pid").exists():       # a failed run must not leave its pod's process behind
+            try:
+                os.kill(int((tmp_path / "pod.pid").read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
