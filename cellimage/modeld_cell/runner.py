@@ -667,9 +667,10 @@ class TorchRunner:
 def rows_attention_serves(model: Transformer, kv: PagedKVCache) -> str | None:
     """The row attention's name where ``model`` took it (choose_row_attention) and ``kv`` is a pool it reads (an
     unquantized bf16/fp32 cache on the CPU), else None."""
+    from .kernels.paged_decode import cpu as cpu_kernels_mod
+
     name = getattr(model, "row_attention", None)
-    if name is None or kv.fmt.quantized or kv.k.device.type != "cpu" or kv.fmt.storage not in (torch.float32,
-                                                                                                torch.bfloat16):
+    if name is None or kv.fmt.quantized or kv.k.device.type != "cpu" or kv.fmt.storage not in cpu_kernels_mod.DTYPES:
         return None
     return name
 
@@ -709,9 +710,9 @@ def choose_row_attention(model: Transformer, setting: str, cpu_kernels: str, kv_
         why = "MODELD_CPU_KERNELS=off"
     elif not M.chunking_invariant(model.norm.weight.device):
         why = "not the CPU segmented path"
-    elif dtype not in (torch.float32, torch.bfloat16):
+    elif dtype not in cpu_kernels_mod.DTYPES:
         why = f"the row attention computes bf16/fp32, not {dtype}"
-    elif kv_storage not in (torch.float32, torch.bfloat16):
+    elif kv_storage not in cpu_kernels_mod.DTYPES:
         # not the setting's to refuse: a pool it does not read keeps the segmented calls (as a sibling engine's
         # quantized pool does, rows_attention_serves), whatever MODELD_PREFILL_ATTENTION says
         rep["reason"] = f"the row attention reads a bf16/fp32 KV cache, not {kv_storage}"

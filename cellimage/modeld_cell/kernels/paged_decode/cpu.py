@@ -86,12 +86,16 @@ _lib_def.define("rows_attention_cpu(Tensor q, Tensor k_cache, Tensor v_cache, Te
                 "Tensor")
 
 
+# the dtypes cpu.c reads and computes in, for queries and paged caches alike (fp16 and quantized pools are not read)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _check_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: Tensor, who: str) -> tuple[int, int]:
     """ValueError naming what a C kernel reading paged caches cannot take; else (BLOCK_SIZE, Hkv)."""
     _, bs, hkv, dk = k_cache.shape
     if dk != q.shape[-1] or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    if k_cache.dtype not in (torch.float32, torch.bfloat16) or q.dtype not in (torch.float32, torch.bfloat16):
+    if k_cache.dtype not in DTYPES or q.dtype not in DTYPES:
         raise ValueError(f"{who} takes fp32/bf16, got q {q.dtype}, cache {k_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or table.dtype != torch.int32:
         raise ValueError(f"{who} takes contiguous caches and an int32 block table")
