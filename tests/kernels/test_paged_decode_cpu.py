@@ -27,6 +27,9 @@ CASES = [
     ([50], 4, 2, 48, 16),  # D 48: three 16-lane vectors
     ([50], 4, 2, 40, 16),  # D 40: the portable loop
     ([1023, 1025], 9, 3, 64, 16),
+    ([300], 16, 4, 128, 16),  # Hq x D 2048: the widest the AVX2 16-element loop takes
+    ([300], 32, 8, 128, 16),  # Hq x D 4096: past it, AVX2's 8-element loop
+    ([2, 21], 7, 7, 16, 8),  # G = 1, short blocks: a key group's tail of 1-3 keys
 ]
 
 

@@ -30,6 +30,39 @@
 #define MAX_HD 4096 /* Hq * D */
 #define MAX_G 8     /* query heads per kv head, AVX-512 path */
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* 2^x for x <= 0, lane-wise: 2^n 2^f, n = round(x), |f| <= 1/2, Cephes exp2f's degree-6 polynomial (relative error
+ * about 2e-7); below -126 it is 2^-126, never 0 (callers zero masked lanes themselves) */
+static inline __m256 pa_exp2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
+    __m256 y = _mm256_set1_ps(1.535336188319500e-4f);
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.339887440266574e-3f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.618437357674640e-3f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550332471162809e-2f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.402264791363012e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931472028550421e-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float pa_hmax(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+static inline float pa_hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+#endif
+
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;
@@ -269,10 +302,179 @@ static void range_avx2(const void *q, const void *kc, const void *vc, const int3
     }
 }
 
+/* AVX2 + FMA, D a multiple of 16: range_avx2's contract, 2.7-3.1x faster here on a row of SmolLM2's shape after 1k-4k
+ * bf16 keys (#18; docs/kernels.md: range_avx2 read each key once per query row, divided per key to find its block and
+ * took a scalar expf per score). A block at a time, every kv head's keys of the block while they are in L1, the next
+ * block's lines asked for a few at a time while this one is computed. A 16-element chunk of D is one 256-bit
+ * load of bf16 (the even elements: the low halves shifted up; the odd: the high halves masked) or two of fp32, and the
+ * query rows and output accumulators are kept in that element order. Scores in log2 units, exponentials by pa_exp2.
+ * Its sums run in another order than range_avx2's: the recomputing step's rounding, never a reused K/V's. */
+#define R16_MAX_HD 2048 /* Hq * D it takes */
+static inline __attribute__((always_inline)) void r16_chunk(const void *p, int64_t off, int bf16, __m256 *lo,
+                                                            __m256 *hi) {
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + off));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        *lo = _mm256_loadu_ps((const float *)p + off);
+        *hi = _mm256_loadu_ps((const float *)p + off + 8);
+    }
+}
+
+/* where element i of a row lives in the chunked order: chunk i / 16, then the lo half (bf16: even; fp32: first 8) */
+static inline int r16_slot(int i, int bf16) {
+    const int c = i / 16, k = i % 16;
+    return 16 * c + (bf16 ? (k % 2) * 8 + k / 2 : k);
+}
+
+/* s[r * n + j] = q[r] . k[j] for R rows (q chunked, stride d) and the nk <= 4 keys at off + j * ts */
+static inline __attribute__((always_inline)) void r16_qk(const int R, const float *q, int d, const void *kc,
+                                                         int64_t off, int64_t ts, int nk, int bf16, float *s,
+                                                         int64_t n) {
+    __m256 acc[3][4];
+    int64_t at[4];
+    for (int j = 0; j < 4; j++) at[j] = off + (int64_t)(j < nk ? j : nk - 1) * ts;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 16)
+        for (int j = 0; j < 4; j++) {
+            __m256 lo, hi;
+            r16_chunk(kc, at[j] + c, bf16, &lo, &hi);
+            for (int r = 0; r < R; r++) {
+                acc[r][j] = _mm256_fmadd_ps(lo, _mm256_load_ps(q + r * d + c), acc[r][j]);
+                acc[r][j] = _mm256_fmadd_ps(hi, _mm256_load_ps(q + r * d + c + 8), acc[r][j]);
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+        float four[4];
+        _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+        for (int j = 0; j < nk; j++) s[(int64_t)r * n + j] = four[j];
+    }
+}
+
+/* o[r][c .. c + 16) += sum_j s[r * n + j] v[j][c .. c + 16), R rows, the len keys at off + j * ts */
+static inline __attribute__((always_inline)) void r16_pv(const int R, float *o, int d, const void *vc, int64_t off,
+                                                         int64_t ts, int64_t len, int c, int bf16, const float *s,
+                                                         int64_t n) {
+    __m256 acc[3][2];
+    for (int r = 0; r < R; r++) {
+        acc[r][0] = _mm256_load_ps(o + r * d + c);
+        acc[r][1] = _mm256_load_ps(o + r * d + c + 8);
+    }
+    for (int64_t j = 0; j < len; j++) {
+        __m256 lo, hi;
+        r16_chunk(vc, off + j * ts + c, bf16, &lo, &hi);
+        for (int r = 0; r < R; r++) {
+            const __m256 p = _mm256_broadcast_ss(s + (int64_t)r * n + j);
+            acc[r][0] = _mm256_fmadd_ps(p, lo, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(p, hi, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_store_ps(o + r * d + c, acc[r][0]);
+        _mm256_store_ps(o + r * d + c + 8, acc[r][1]);
+    }
+}
+
+/* 2^(s - m) in place over s[0 .. len) (m: their max, found here), their sum returned */
+static float r16_exp2(float *s, int64_t len, float *m) {
+    __m256 mx = _mm256_set1_ps(-FLT_MAX);
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+    float mm = pa_hmax(mx);
+    for (int64_t u = t; u < len; u++) mm = s[u] > mm ? s[u] : mm;
+    const __m256 mv = _mm256_set1_ps(mm);
+    __m256 sum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= len; t += 8) {
+        const __m256 e = pa_exp2(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float a = pa_hsum(sum);
+    if (t < len) { /* the tail through a padded copy */
+        float tail[8] __attribute__((aligned(32)));
+        for (int u = 0; u < 8; u++) tail[u] = t + u < len ? s[t + u] : mm;
+        _mm256_store_ps(tail, pa_exp2(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
+        for (int64_t u = t; u < len; u++) {
+            s[u] = tail[u - t];
+            a += tail[u - t];
+        }
+    }
+    *m = mm;
+    return a;
+}
+
+static void range_avx2_16(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t bs,
+                          int hq, int hkv, int d, float scale, int kv_bf16, int q_bf16, float *s, int64_t b_lo,
+                          int64_t b_hi, float *o_out, float *m_out, float *l_out) {
+    const int g = hq / hkv;
+    const int64_t ts = (int64_t)hkv * d, nblk = (n + bs - 1) / bs, esz = kv_bf16 ? 2 : 4;
+    const int64_t t_lo = b_lo * bs, t_hi = (b_hi * bs < n ? b_hi * bs : n);
+    const float qs = scale * 1.44269504088896341f; /* log2 units */
+    float qf[R16_MAX_HD] __attribute__((aligned(32))), oa[R16_MAX_HD] __attribute__((aligned(32)));
+    for (int r = 0; r < hq; r++)
+        for (int i = 0; i < d; i++) {
+            qf[r * d + r16_slot(i, kv_bf16)] = load1(q, (int64_t)r * d + i, q_bf16) * qs;
+            oa[r * d + i] = 0.f;
+        }
+#define R16_GROUPS(BODY)                                                                                             \
+    for (int h = 0; h < hkv; h++)                                                                                    \
+        for (int r0 = 0; r0 < g; r0 += 3) {                                                                          \
+            const int row = h * g + r0, nr = g - r0 < 3 ? g - r0 : 3;                                                \
+            const int64_t hoff = base + (int64_t)h * d;                                                              \
+            BODY                                                                                                     \
+        }
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        const int64_t t0 = b * bs, len = n - t0 < bs ? n - t0 : bs, base = (int64_t)table[b] * bs * ts;
+        const int64_t next = b + 1 < nblk ? (int64_t)table[b + 1] * bs * ts : -1;
+        R16_GROUPS(for (int64_t j = 0; j < len; j += 4) {
+            const int nk = len - j < 4 ? (int)(len - j) : 4;
+            if (next >= 0 && r0 == 0) /* these keys' lines in the next block (elsewhere in the pool): asked for a
+                                         * block ahead, a few at a time (all at once stalled the loop on them) */
+                for (int x = 0; x < nk; x++)
+                    for (int64_t y = 0; y < d * esz; y += 64)
+                        _mm_prefetch((const char *)kc + (next + (j + x) * ts + (int64_t)h * d) * esz + y, _MM_HINT_T0);
+            float *sr = s + (int64_t)row * n + t0 + j;
+            const float *qr = qf + row * d;
+            if (nr == 3) r16_qk(3, qr, d, kc, hoff + j * ts, ts, nk, kv_bf16, sr, n);
+            else if (nr == 2) r16_qk(2, qr, d, kc, hoff + j * ts, ts, nk, kv_bf16, sr, n);
+            else r16_qk(1, qr, d, kc, hoff + j * ts, ts, nk, kv_bf16, sr, n);
+        })
+    }
+    for (int r = 0; r < hq; r++) {
+        float m2;
+        l_out[r] = r16_exp2(s + (int64_t)r * n + t_lo, t_hi - t_lo, &m2);
+        m_out[r] = m2 * 0.69314718055994531f; /* the contract's natural units */
+    }
+    for (int64_t b = b_lo; b < b_hi; b++) {
+        const int64_t t0 = b * bs, len = n - t0 < bs ? n - t0 : bs, base = (int64_t)table[b] * bs * ts;
+        const int64_t next = b + 1 < nblk ? (int64_t)table[b + 1] * bs * ts : -1;
+        R16_GROUPS(for (int c = 0; c < d; c += 16) {
+            float *orow = oa + row * d;
+            if (next >= 0 && r0 == 0 && c == 0)
+                for (int64_t x = 0; x < len; x++)
+                    for (int64_t y = 0; y < d * esz; y += 64)
+                        _mm_prefetch((const char *)vc + (next + x * ts + (int64_t)h * d) * esz + y, _MM_HINT_T0);
+            const float *sr = s + (int64_t)row * n + t0;
+            if (nr == 3) r16_pv(3, orow, d, vc, hoff, ts, len, c, kv_bf16, sr, n);
+            else if (nr == 2) r16_pv(2, orow, d, vc, hoff, ts, len, c, kv_bf16, sr, n);
+            else r16_pv(1, orow, d, vc, hoff, ts, len, c, kv_bf16, sr, n);
+        })
+    }
+#undef R16_GROUPS
+    for (int r = 0; r < hq; r++)
+        for (int i = 0; i < d; i++) o_out[(int64_t)r * d + i] = oa[r * d + r16_slot(i, kv_bf16)];
+}
+
 static void range_any(const void *q, const void *kc, const void *vc, const int32_t *table, int64_t n, int64_t bs,
                       int hq, int hkv, int d, float scale, int kv_bf16, int q_bf16, float *s, int64_t b_lo,
                       int64_t b_hi, float *o, float *m, float *l) {
-    range_avx2(q, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, s, b_lo, b_hi, o, m, l);
+    if (d % 16 == 0 && (int64_t)hq * d <= R16_MAX_HD)
+        range_avx2_16(q, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, s, b_lo, b_hi, o, m, l);
+    else
+        range_avx2(q, kc, vc, table, n, bs, hq, hkv, d, scale, kv_bf16, q_bf16, s, b_lo, b_hi, o, m, l);
 }
 
 static int range_takes(int hq, int hkv, int d) { return d % 8 == 0 && d <= 256 && hq / hkv <= MAX_G; }
@@ -945,36 +1147,6 @@ int modeld_decode_layers(float *x, void *const *ptrs, int n_layers, const float 
 #define PA_MAXG 16
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* 2^x for x <= 0, lane-wise: 2^n 2^f, n = round(x), |f| <= 1/2, Cephes exp2f's degree-6 polynomial (relative error
- * about 2e-7); below -126 it is 2^-126, never 0 (callers zero masked lanes themselves) */
-static inline __m256 pa_exp2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
-    __m256 y = _mm256_set1_ps(1.535336188319500e-4f);
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.339887440266574e-3f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(9.618437357674640e-3f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.550332471162809e-2f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.402264791363012e-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(6.931472028550421e-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-static inline float pa_hmax(__m256 v) {
-    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_max_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
-}
-
-static inline float pa_hsum(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
-}
-
 /* s[slot][0 .. ng * 16) = qf[rows[slot]] . Kt[:, key]: PA_ROWS rows (a short tile repeats its last row) */
 static void pa_scores(const float *const rows[PA_ROWS], const float *kt, int d, int ng, float *s) {
     for (int kg = 0; kg < ng; kg++) {
