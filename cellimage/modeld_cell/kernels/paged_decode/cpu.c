@@ -322,6 +322,13 @@ static inline __attribute__((always_inline)) void r16_chunk(const void *p, int64
     }
 }
 
+/* asks for the lines of ``keys`` keys' d elements (esz bytes each) at elements off, off + ts, ...: the next block's
+ * keys (elsewhere in the pool) a block ahead, a few at a time (asking for a whole block at once stalled the loop) */
+static inline void r16_prefetch(const void *p, int64_t off, int64_t keys, int64_t ts, int d, int64_t esz) {
+    for (int64_t x = 0; x < keys; x++)
+        for (int64_t y = 0; y < d * esz; y += 64) _mm_prefetch((const char *)p + (off + x * ts) * esz + y, _MM_HINT_T0);
+}
+
 /* where element i of a row lives in the chunked order: chunk i / 16, then the lo half (bf16: even; fp32: first 8) */
 static inline int r16_slot(int i, int bf16) {
     const int c = i / 16, k = i % 16;
@@ -431,11 +438,7 @@ static void range_avx2_16(const void *q, const void *kc, const void *vc, const i
         const int64_t next = b + 1 < nblk ? (int64_t)table[b + 1] * bs * ts : -1;
         R16_GROUPS(for (int64_t j = 0; j < len; j += 4) {
             const int nk = len - j < 4 ? (int)(len - j) : 4;
-            if (next >= 0 && r0 == 0) /* these keys' lines in the next block (elsewhere in the pool): asked for a
-                                         * block ahead, a few at a time (all at once stalled the loop on them) */
-                for (int x = 0; x < nk; x++)
-                    for (int64_t y = 0; y < d * esz; y += 64)
-                        _mm_prefetch((const char *)kc + (next + (j + x) * ts + (int64_t)h * d) * esz + y, _MM_HINT_T0);
+            if (next >= 0 && r0 == 0) r16_prefetch(kc, next + j * ts + (int64_t)h * d, nk, ts, d, esz);
             float *sr = s + (int64_t)row * n + t0 + j;
             const float *qr = qf + row * d;
             if (nr == 3) r16_qk(3, qr, d, kc, hoff + j * ts, ts, nk, kv_bf16, sr, n);
@@ -453,10 +456,7 @@ static void range_avx2_16(const void *q, const void *kc, const void *vc, const i
         const int64_t next = b + 1 < nblk ? (int64_t)table[b + 1] * bs * ts : -1;
         R16_GROUPS(for (int c = 0; c < d; c += 16) {
             float *orow = oa + row * d;
-            if (next >= 0 && r0 == 0 && c == 0)
-                for (int64_t x = 0; x < len; x++)
-                    for (int64_t y = 0; y < d * esz; y += 64)
-                        _mm_prefetch((const char *)vc + (next + x * ts + (int64_t)h * d) * esz + y, _MM_HINT_T0);
+            if (next >= 0 && r0 == 0 && c == 0) r16_prefetch(vc, next + (int64_t)h * d, len, ts, d, esz);
             const float *sr = s + (int64_t)row * n + t0;
             if (nr == 3) r16_pv(3, orow, d, vc, hoff, ts, len, c, kv_bf16, sr, n);
             else if (nr == 2) r16_pv(2, orow, d, vc, hoff, ts, len, c, kv_bf16, sr, n);
