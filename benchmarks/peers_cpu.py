@@ -128,25 +128,31 @@ def run_replay(job: dict, turn) -> dict | None:  # noqa: ANN001  (turn: (convers
 # workers
 
 
-def worker_modeld(job: dict) -> dict:
-    import asyncio
-
-    import torch
-
-    from modeld_cell.engine import Engine, SamplingParams
+def modeld_engine(job: dict):  # noqa: ANN201  (modeld_cell.engine.Engine: not imported where a peer's venv runs)
+    """modeld's engine as this comparison loads it (benchmarks/replay_profile.py loads the same): the job's
+    ``modeld_weights``, ``modeld_kv`` and ``modeld_kv_mib`` over an 8192-token tier with prefix reuse, and the
+    worker's settings: the MODELD_* environment (MODELD_WEIGHTS_PATH, MODELD_DECODE_THREADS, ...) as the worker
+    reads it, with MODELD_THREADS the job's ``threads``."""
+    from modeld_cell.engine import Engine, EngineSettings
     from modeld_cell.models.fetch import SMOLLM2_REF
 
     spec = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
             "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
             "profile": {"weights": job["modeld_weights"], "kv": job["modeld_kv"], "prefixReuse": True},
             "contextTier": 8192, "kvMemoryMiB": job["modeld_kv_mib"]}
-    t = time.perf_counter()
-    from modeld_cell.engine import EngineSettings
-
-    # the worker's settings: the MODELD_* environment (MODELD_WEIGHTS_PATH, MODELD_DECODE_THREADS, ...) as the
-    # worker reads it, with MODELD_THREADS the job's count
     settings = dataclasses.replace(EngineSettings.from_env(), threads=job["threads"])
-    eng = Engine.from_cell(spec, model_path=job["model"], settings=settings)
+    return Engine.from_cell(spec, model_path=job["model"], settings=settings)
+
+
+def worker_modeld(job: dict) -> dict:
+    import asyncio
+
+    import torch
+
+    from modeld_cell.engine import SamplingParams
+
+    t = time.perf_counter()
+    eng = modeld_engine(job)
     load_s = time.perf_counter() - t
     rss_loaded = proc_status_mib("VmRSS")
     loop = asyncio.new_event_loop()

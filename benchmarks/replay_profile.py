@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import sys
 import time
@@ -65,11 +64,10 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-    from peers_cpu import _kv_default, model_path, tokenize
+    from peers_cpu import _kv_default, model_path, modeld_engine, tokenize
     from torch.profiler import ProfilerActivity, profile
 
-    from modeld_cell.engine import Engine, EngineSettings, SamplingParams
-    from modeld_cell.models.fetch import SMOLLM2_REF
+    from modeld_cell.engine import SamplingParams
     from modeld_cell.profile_gate import hardware
 
     model = model_path(None)
@@ -77,16 +75,12 @@ def main() -> None:
     text = ids[a.after: a.after + a.turns * a.append]
     if len(text) < a.turns * a.append:
         raise SystemExit(f"the corpus has {len(ids)} tokens: too few for the replay")
-    spec = {"runtime": {"backend": "torch"}, "topology": {"gpus": 0, "interconnect": "none"},
-            "model": {"family": "smollm2", "ref": SMOLLM2_REF, "format": "gguf"},
-            "profile": {"weights": a.weights, "kv": _kv_default(), "prefixReuse": True},
-            "contextTier": 8192, "kvMemoryMiB": 512}
     out: dict = {"command": " ".join(["replay_profile.py", *sys.argv[1:]]), "hardware": hardware("cpu"),
                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "loadavg_start": round(os.getloadavg()[0], 2)}
     t0 = time.perf_counter()
-    settings = dataclasses.replace(EngineSettings.from_env(), threads=a.threads)
-    eng = Engine.from_cell(spec, model_path=model, settings=settings)
+    eng = modeld_engine({"model": model, "modeld_weights": a.weights, "modeld_kv": _kv_default(), "modeld_kv_mib": 512,
+                         "threads": a.threads})
     out.update(load_s=round(time.perf_counter() - t0, 1), threads=torch.get_num_threads(),
                weights=f"{eng.config.weights_kernel}-{eng.config.weights}", kv=eng.config.kv,
                kernels=eng.runner.kernels())
