@@ -569,8 +569,8 @@ class Engine:
 
     @property
     def decode_kernel(self) -> str:
-        """What decode runs, in words (the runner's choice)."""
-        return self.runner.decode_kernel
+        """What decode runs, in words (the runner's choice; its kernels()' "decode")."""
+        return self.runner.kernels()["decode"]
 
     def capability(self) -> dict:
         return capability.capability(self)

@@ -117,15 +117,35 @@ class TorchRunner:
         from .model import chunking_invariant
         return chunking_invariant(self.kv.k.device)
 
+    # the recomputing steps _recompute_kernel builds, by the name choose_decoded_kv's report gives the one served
+    RECOMPUTE_STEPS = {
+        "flash": "the scripted step, its attention torch's flash call",
+        "kernel": "the scripted step, its attention cpu.c's paged decode",
+        "layers": "every layer in one cpu.c call (decode_step.KernelDecode), over the dense weights",
+        "layers-q4": "every layer in one cpu.c call (decode_step.KernelDecode), its linears read from the file's Q4_1 "
+                     "blocks"}
+
     def kernels(self) -> dict[str, str]:
         """What each kind of forward runs, in words (the capability report)."""
         dev = self.kv.k.device
         if self.rows_attention:
-            return {"prefill": f"{self.rows_attention}: each row on its own (CPU; chunking-invariant)",
-                    "decode": self.decode_kernel, "device": str(dev)}
-        return {"prefill": ("torch segmented flash (CPU; chunking-invariant)" if self.chunking_invariant
-                            else "torch sdpa") + ("; past blocks dequantized per chunk" if self.kv.fmt.quantized else ""),
-                "decode": self.decode_kernel, "device": str(dev)}
+            prefill = f"{self.rows_attention}: each row on its own (CPU; chunking-invariant)"
+        else:
+            prefill = (("torch segmented flash (CPU; chunking-invariant)" if self.chunking_invariant else "torch sdpa")
+                       + ("; past blocks dequantized per chunk" if self.kv.fmt.quantized else ""))
+        return {"prefill": prefill, "decode": self.decode_words(), "device": str(dev)}
+
+    def decode_words(self) -> str:
+        """What a decode step runs, in words: the exact step's attention (``decode_kernel``), and, where
+        choose_decoded_kv took the recomputing step, that one-session steps run it instead."""
+        if self.decoded_kv != "recompute" or self.recompute_step is None:
+            return self.decode_kernel
+        served = ((self.decoded_kv_report or {}).get("attention") or {}).get("served", "flash")
+        what = self.RECOMPUTE_STEPS.get(served, served)
+        if served == "layers-q4" and getattr(self.recompute_step, "head_blocks", None) is not None:
+            what += " and its head from the file's Q8_0 blocks"
+        return (f"one-session steps: the recomputing step '{served}' ({what}; a prefill computes its tokens' K/V "
+                f"again before anything reuses them); batched steps: {self.decode_kernel}")
 
     def choose_decode_kernel(self, mode: str) -> None:
         """Validate kernels.dispatch.paged_decode against model.py's torch path; route decode through it when
@@ -174,6 +194,9 @@ class TorchRunner:
         if mode == "dispatch" or (mode == "auto" and dev.type == "cuda"):
             self._decode_fn = fn
             self.decode_kernel = f"kernels.dispatch.paged_decode ({dispatch.get_backend(dev)}; validated)"
+        elif self.rows_attention:   # model.paged_attention: a decode row attends as a prefill's row does
+            self.decode_kernel = (f"{self.rows_attention}: the row a prefill computes (CPU; chunking-invariant); "
+                                  "kernels.dispatch.paged_decode validated but not used on CPU")
         else:
             self.decode_kernel = ("torch segmented (model._segmented_attention; chunking-invariant); "
                                   "kernels.dispatch.paged_decode validated but not used on CPU")

@@ -67,7 +67,12 @@ async def test_decoded_tokens_are_never_named_and_are_recomputed_with_the_append
     rep = eng.capability()
     assert rep["runtime"]["decoded_kv"]["decoded_kv"] == "recompute"
     assert rep["reuse"]["decoded_tokens"] == "recomputed before reuse"
-    assert rep["runtime"]["decoded_kv"]["attention"]["served"] == ("kernel" if KERNELS == "on" else "flash")
+    served = "kernel" if KERNELS == "on" else "flash"
+    assert rep["runtime"]["decoded_kv"]["attention"]["served"] == served
+    # the report's headline names the step one-session decode runs, and what batched steps run
+    words = rep["attention"]["decode"]
+    assert words.startswith(f"one-session steps: the recomputing step '{served}'"), words
+    assert words.endswith(f"batched steps: {eng.runner.decode_kernel}") and rep["attention"]["kernels"]["decode"] == words
     p = _prompt(eng, 45)
     await eng.ensure_prefix("a", p)
     ids, _, _ = await generate(eng, "a", 20, ignore_eos=True)
@@ -171,6 +176,10 @@ async def test_an_exact_cell_keeps_decoded_tokens(engine, make_engine):
     """MODELD_DECODED_KV=exact: decoded K/V are a prefill's bits, named and reused as they are."""
     eng = make_engine(kv_mib=16, settings=EngineSettings(threads=torch.get_num_threads(), decoded_kv="exact"))
     assert eng.runner.decoded_kv == "exact" and eng.reuse_report()["decoded_tokens"] == "exact"
+    words = eng.capability()["attention"]["decode"]
+    assert words == eng.runner.decode_kernel and "recomputing" not in words
+    if eng.runner.rows_attention:          # a decode row attends as a prefill's row does, and the report says so
+        assert words.startswith(f"{eng.runner.rows_attention}: the row a prefill computes"), words
     p = _prompt(eng, 45)
     await eng.ensure_prefix("a", p)
     await generate(eng, "a", 20, ignore_eos=True)
@@ -235,6 +244,9 @@ async def test_the_q4_layer_step_serves_a_q4_1_cell_computed_dense(smollm2_path)
         assert isinstance(step, DS.KernelDecode) and step.blocks is not None
         assert step.blocks is eng.model.decode_blocks and rt["decoded_kv"]["attention"]["served"] == "layers-q4"
         assert step.head_blocks is not None          # the file keeps its tied embedding table (the head) in Q8_0
+        words = eng.capability()["attention"]["decode"]
+        assert words.startswith("one-session steps: the recomputing step 'layers-q4'") and "Q4_1" in words, words
+        assert "Q8_0" in words
         await _decode_then_append(eng)
     finally:
         eng.shutdown()
