@@ -86,7 +86,7 @@ def capability(e: Engine) -> dict:
         "attention": {"mode": "block-sparse" if e.sparse else "dense",
                       "requested": e.config.attention_requested,
                       "prefill": kernels["prefill"],
-                      "decode": e.decode_kernel,
+                      "decode": kernels["decode"],
                       "kernels": kernels,
                       "sparse": {"block_size": SPARSE_BLOCK, "min_tokens": e.settings.sparse_min_tokens,
                                  "max_density": e.settings.sparse_max_density,

@@ -567,11 +567,6 @@ class Engine:
 
     # ---- introspection (capability.py)
 
-    @property
-    def decode_kernel(self) -> str:
-        """What decode runs, in words (the runner's choice; its kernels()' "decode")."""
-        return self.runner.kernels()["decode"]
-
     def capability(self) -> dict:
         return capability.capability(self)
 
