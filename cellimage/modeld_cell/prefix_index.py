@@ -25,8 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 # The fields of the engine identity that name the KV a block holds (docs/reuse.md). Each one is hashed into the root.
+# prefill_attention: cpu.c's row attention (its name) or None (the segmented flash calls); the two round differently,
+# so a block, a snapshot or a journal computed one way is never taken as exact by an engine computing the other.
 IDENTITY_KEY_FIELDS = ("model_digest", "backend", "backend_version", "weights_dtype", "weights_kernel", "kv_dtype", "adapter",
-                       "tokenizer_hash", "template_hash", "manifest_hash", "kv_layout", "block_size")
+                       "tokenizer_hash", "template_hash", "manifest_hash", "prefill_attention", "kv_layout",
+                       "block_size")
 
 
 def root_hash(key: Mapping[str, object]) -> bytes:

@@ -13,6 +13,7 @@ from modeld_cell import errors
 from modeld_cell.engine import CellConfig, Engine, EngineSettings
 from modeld_cell.kv_cache import PagedKVCache, kv_format
 from modeld_cell.prefix_index import IDENTITY_KEY_FIELDS, chain_hash
+from modeld_cell.runner import TorchRunner
 
 from .cellutil import LOGIT_ATOL, full_logits, generate, greedy_reference
 from .conftest import SPEC
@@ -112,9 +113,16 @@ async def test_edit_stops_reuse_at_the_first_changed_token(engine, make_engine, 
 
 
 def _twin(engine: Engine, cache: PagedKVCache, **identity) -> Engine:
+    """An engine over ``engine``'s weights and ``cache``; ``prefill_attention`` is not an identity the engine takes
+    from its caller but what its runner attends through: changing it makes the twin attend through the segmented
+    flash calls (its runner without the row attention)."""
     cfg = CellConfig.from_spec({**SPEC, "kvMemoryMiB": 16})
+    runner = None
+    if identity.pop("prefill_attention", None) is not None:
+        runner = TorchRunner(engine.model, cache)
+        runner.rows_attention = None
     return Engine(engine.model, engine.tokenizer, cache, cfg, dict(engine.identity, **identity),
-                  EngineSettings(threads=torch.get_num_threads()))
+                  EngineSettings(threads=torch.get_num_threads()), runner=runner)
 
 
 IDENTITY_FIELDS = [f for f in IDENTITY_KEY_FIELDS if f not in ("kv_layout", "block_size")]
@@ -124,6 +132,9 @@ IDENTITY_FIELDS = [f for f in IDENTITY_KEY_FIELDS if f not in ("kv_layout", "blo
 async def test_identity_is_part_of_the_key(engine, field):
     """Two engines over ONE KV pool: the same identity shares blocks; any one field changed shares none."""
     a = engine.model.args
+    if field == "prefill_attention" and engine.identity.get(field) is None:
+        pytest.skip("this engine prefills through the segmented flash calls (no cpu.c row attention here): "
+                    "no second prefill attention to compare it with")
     cache = PagedKVCache(a.n_layers, a.n_kv_heads, a.head_dim, kv_format("fp32"), 8 << 20)
     first, same, other = (_twin(engine, cache), _twin(engine, cache),
                           _twin(engine, cache, **{field: f"changed-{field}"}))
