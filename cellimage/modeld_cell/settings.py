@@ -37,7 +37,8 @@ class Settings:
     to the engine's MODELD_MODEL_CACHE; the image points that inside this directory.)"""
 
     threads: int | None = None
-    """MODELD_THREADS: torch intra-op threads for the CPU path; unset leaves torch's default (one per core)."""
+    """MODELD_THREADS: torch intra-op threads for the CPU path; unset: the cores this process may use (its CPU
+    affinity), split between the ranks of a multi-rank or data-parallel pod (cli.py)."""
 
     kv_memory_mib: int | None = None
     """MODELD_KV_MEMORY_MIB: KV-cache budget in MiB; overrides ``spec.kvMemoryMiB``."""
