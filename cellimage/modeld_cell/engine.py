@@ -31,10 +31,10 @@ from .kv_cache import PagedKVCache
 from .loader import DEFAULT_QUALITY_CACHE, load_engine, probe_model, serveable_tier, sibling_engine
 from .model import Transformer
 from .prefill import prefill
-from .prefix_index import common_prefix, root_hash
+from .prefix_index import ENGINE_IDENTITY_FIELDS, common_prefix, root_hash
 from .runner import TorchThread, runner_for
 from .scheduler import DecodeReq, DecodeScheduler, grant, sample_token
-from .sparse_policy import SparsePolicy
+from .sparse_policy import SparsePolicy, sparse_settings
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer  # the HF tokenizers package: only where a checkpoint brings a vocabulary
@@ -69,11 +69,18 @@ class Engine:
         # builds attention metadata, owns the kernel choice: runner.py (torch), triton_runner.py (triton)
         # (a multi-rank cell's loader passes its driving runner: parallel/ranks.py)
         self.runner = runner if runner is not None else runner_for(config.backend)(model, kv)
-        # the prefill attention is part of every K/V bit past the first layer: the identity names cpu.c's row
-        # attention where this engine's pool takes it (a sibling with a quantized pool keeps the segmented calls)
-        self.identity = {k: v for k, v in identity.items() if k != "prefill_attention"}
+        # What this engine computes with, named in the identity by the engine itself, not its caller (each changes
+        # the K/V bits past the first layer): cpu.c's row attention where this engine's pool takes it (a sibling with
+        # a quantized pool keeps the segmented calls); a block-sparse cell's sparse settings (which chunks run
+        # sparse, and how); a decode through kernels.dispatch (MODELD_DECODE_ATTENTION=dispatch: a decoded token's
+        # K/V within the kernel's tolerance of a prefill's, not its bits). None where the engine computes the default.
+        self.identity = {k: v for k, v in identity.items() if k not in ENGINE_IDENTITY_FIELDS}
         if rows := getattr(self.runner, "rows_attention", None):
             self.identity["prefill_attention"] = rows
+        if self.sparse:
+            self.identity["prefill_sparse"] = sparse_settings(self.settings)
+        if self.settings.decode_attention == "dispatch":
+            self.identity["decode_attention"] = "dispatch"
         self.startup: dict | None = None                 # a device backend's start-up forward (loader.load_engine)
         # while the loader gates a quantized-weights cell: builds the checkpoint in fp32 (profile_gate's reference)
         self.fp32_weights: Callable[[], Transformer] | None = None

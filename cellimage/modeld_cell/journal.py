@@ -73,7 +73,8 @@ class Journal:
             return None, f"the stored state of session {session_id!r} is not a version-{VERSION} record of it"
         if d.get("identity") != self.identity:
             return None, (f"session {session_id!r} was stored by a cell with another cache identity (other weights, "
-                          "KV format or backend); its tokens would not continue the same computation here")
+                          "KV format, backend, attention or CPU/GPU kernels); its tokens would not continue the same "
+                          "computation here")
         toks = d.get("tokens")
         if not isinstance(toks, list) or not toks or not all(isinstance(x, int) and x >= 0 for x in toks):
             return None, f"the stored state of session {session_id!r} holds no valid tokens"

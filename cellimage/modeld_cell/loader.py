@@ -528,6 +528,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         from .runner import choose_row_attention
         choose_row_attention(model, settings.prefill_attention, settings.cpu_kernels, kv_format(cfg.kv).storage,
                              settings.threads or torch.get_num_threads(), quality_cache)
+    from .profile_gate import kernels_identity
     runner = None
     identity = {
         "model_name": ckpt.info.get("name"), "model_family": cfg.model_family,
@@ -535,6 +536,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         "weights_dtype": cfg.weights, "weights_kernel": getattr(model, "weights_layout", cfg.weights_kernel),
         "backend": f"{cfg.backend}-{torch.device(cfg.device).type}",
         "backend_version": backend_version(cfg.backend), "kv_dtype": cfg.kv,
+        "kernels": kernels_identity(cfg.device),     # the ISA (or GPU) the kernels round for (prefix_index.py)
         "tokenizer_hash": ckpt.tokenizer.hash, "template_hash": ckpt.tokenizer.template_hash,
         "params": model.params_loaded,               # the whole model's, before any rank cuts it or a kernel packs it
         "adapter": adapter.describe() if adapter else cfg.adapter,  # ref, file sha256, rank, alpha, scale, ...

@@ -25,11 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 # The fields of the engine identity that name the KV a block holds (docs/reuse.md). Each one is hashed into the root.
-# prefill_attention: cpu.c's row attention (its name) or None (the segmented flash calls); the two round differently,
-# so a block, a snapshot or a journal computed one way is never taken as exact by an engine computing the other.
-IDENTITY_KEY_FIELDS = ("model_digest", "backend", "backend_version", "weights_dtype", "weights_kernel", "kv_dtype", "adapter",
-                       "tokenizer_hash", "template_hash", "manifest_hash", "prefill_attention", "kv_layout",
-                       "block_size")
+# kernels: what the rounding of the process's kernels depends on besides torch's version (the CPU's ISA flags and
+# torch's CPU capability, or the GPU and its CUDA), so a snapshot moved to a node of another ISA is foreign there.
+# The fields in ENGINE_IDENTITY_FIELDS the engine names from what it computes with (engine.py): prefill_attention
+# (cpu.c's row attention or None, the segmented flash calls), prefill_sparse (a block-sparse cell's settings) and
+# decode_attention ("dispatch" where decoded K/V are a kernel's, within tolerance of a prefill's bits).
+ENGINE_IDENTITY_FIELDS = ("prefill_attention", "prefill_sparse", "decode_attention")
+IDENTITY_KEY_FIELDS = ("model_digest", "backend", "backend_version", "kernels", "weights_dtype", "weights_kernel",
+                       "kv_dtype", "adapter", "tokenizer_hash", "template_hash", "manifest_hash",
+                       *ENGINE_IDENTITY_FIELDS, "kv_layout", "block_size")
 
 
 def root_hash(key: Mapping[str, object]) -> bytes:

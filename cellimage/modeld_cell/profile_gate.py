@@ -35,7 +35,8 @@ from . import __version__, errors, quality
 SMOKE_VERSION = 2                      # 2: the reference's capital and passkey answers too
 # The CPU flags that pick different kernels (and so different rounding) in torch's CPU paths and oneDNN.
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
-_ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
+            "DNNL_DEFAULT_FPMATH_MODE", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
 KV_SMOKE_MIB = 32                      # each smoke engine's KV pool (the smoke holds a few hundred tokens)
 
 
@@ -73,6 +74,16 @@ def hardware(device: torch.device | str = "cpu") -> dict[str, Any]:
             "isa_flags": [f for f in _ISA_FLAGS if f in flags],
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "isa_env": {k: os.environ[k] for k in _ISA_ENV if os.environ.get(k)}, "torch": torch.__version__}
+
+
+def kernels_identity(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The cache identity's ``kernels``: hardware() less what another field holds (torch's version) and, on a CPU,
+    less the model name: two CPUs of one ISA pick the same kernels (their flags and torch's capability say so)."""
+    hw = hardware(device)
+    hw.pop("torch", None)
+    if hw["device"] == "cpu":
+        hw.pop("name", None)
+    return hw
 
 
 @dataclass

@@ -13,6 +13,13 @@ from .config import SPARSE_BLOCK, EngineSettings
 from .kernels.sparse_prefill import reference as sparse_ref
 
 
+def sparse_settings(st: EngineSettings) -> dict[str, Any]:
+    """What a chunk that runs sparse computes with: its forward's settings, and part of a sparse cell's cache
+    identity (which chunks run sparse, and how, decides the bits of their K/V)."""
+    return {"block_size": SPARSE_BLOCK, "keep_ratio": st.sparse_keep_ratio, "min_tokens": st.sparse_min_tokens,
+            "max_density": st.sparse_max_density, "max_keep_tokens": st.sparse_max_keep_tokens}
+
+
 class SparsePolicy:
     def __init__(self, settings: EngineSettings, n_layers: int, requested: str) -> None:
         self.settings, self.n_layers, self.requested = settings, n_layers, requested
@@ -32,8 +39,7 @@ class SparsePolicy:
                 return None, f"prompt chunk of {n_tokens} tokens shorter than {st.sparse_min_tokens}"
             return None, (f"chunk of {n_tokens} tokens{after}: {start + n_tokens} keys, shorter than "
                           f"{st.sparse_min_tokens}")
-        return {"block_size": SPARSE_BLOCK, "keep_ratio": st.sparse_keep_ratio, "min_tokens": st.sparse_min_tokens,
-                "max_density": st.sparse_max_density, "max_keep_tokens": st.sparse_max_keep_tokens}, None
+        return sparse_settings(st), None
 
     def record(self, n_tokens: int, start: int, reason: str | None, log: list[dict]) -> dict:
         """The chunk's record from the model's per-layer log ({"path", "density", ...}): {"tokens", "past",

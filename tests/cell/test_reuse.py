@@ -12,7 +12,7 @@ import torch
 from modeld_cell import errors
 from modeld_cell.engine import CellConfig, Engine, EngineSettings
 from modeld_cell.kv_cache import PagedKVCache, kv_format
-from modeld_cell.prefix_index import IDENTITY_KEY_FIELDS, chain_hash
+from modeld_cell.prefix_index import ENGINE_IDENTITY_FIELDS, IDENTITY_KEY_FIELDS, chain_hash
 from modeld_cell.runner import TorchRunner
 
 from .cellutil import LOGIT_ATOL, full_logits, generate, greedy_reference
@@ -113,16 +113,23 @@ async def test_edit_stops_reuse_at_the_first_changed_token(engine, make_engine, 
 
 
 def _twin(engine: Engine, cache: PagedKVCache, **identity) -> Engine:
-    """An engine over ``engine``'s weights and ``cache``; ``prefill_attention`` is not an identity the engine takes
-    from its caller but what its runner attends through: changing it makes the twin attend through the segmented
-    flash calls (its runner without the row attention)."""
-    cfg = CellConfig.from_spec({**SPEC, "kvMemoryMiB": 16})
+    """An engine over ``engine``'s weights and ``cache``. The fields the engine names from what it computes with
+    (ENGINE_IDENTITY_FIELDS) are changed by changing that: ``prefill_attention`` makes the twin attend through the
+    segmented flash calls (its runner without the row attention), ``prefill_sparse`` makes it a block-sparse cell,
+    ``decode_attention`` decodes through kernels.dispatch."""
+    spec = {**SPEC, "kvMemoryMiB": 16}
+    settings = EngineSettings(threads=torch.get_num_threads())
     runner = None
     if identity.pop("prefill_attention", None) is not None:
         runner = TorchRunner(engine.model, cache)
         runner.rows_attention = None
-    return Engine(engine.model, engine.tokenizer, cache, cfg, dict(engine.identity, **identity),
-                  EngineSettings(threads=torch.get_num_threads()), runner=runner)
+    if identity.pop("prefill_sparse", None) is not None:
+        spec["profile"] = {**SPEC["profile"], "attention": "block-sparse"}
+    if identity.pop("decode_attention", None) is not None:
+        settings.decode_attention = "dispatch"
+    base = {k: v for k, v in engine.identity.items() if k not in ENGINE_IDENTITY_FIELDS}
+    return Engine(engine.model, engine.tokenizer, cache, CellConfig.from_spec(spec), dict(base, **identity),
+                  settings, runner=runner)
 
 
 IDENTITY_FIELDS = [f for f in IDENTITY_KEY_FIELDS if f not in ("kv_layout", "block_size")]
@@ -149,6 +156,18 @@ async def test_identity_is_part_of_the_key(engine, field):
     finally:
         for e in (first, same, other):
             e.shutdown()
+
+
+def test_the_loaded_identity_names_what_computes_the_kv(engine):
+    """The loader's identity carries the kernels' ISA (profile_gate.kernels_identity), and the engine names the
+    attention it computes with: the row attention where it serves, no sparse settings and no dispatch decode in a
+    dense cell with the default decode."""
+    from modeld_cell.profile_gate import kernels_identity
+
+    key = engine.reuse_key()
+    assert key["kernels"] == kernels_identity("cpu") and key["kernels"]["isa_flags"] is not None
+    assert key["prefill_attention"] == engine.runner.rows_attention
+    assert key["prefill_sparse"] is None and key["decode_attention"] is None
 
 
 async def test_eviction_is_lru_and_spares_live_blocks(engine, make_engine):

@@ -96,7 +96,7 @@ async def test_refusals_leave_the_target_untouched(make_engine, tmp_path):
             assert ei.value.details == {"path": str(p), **details}, name
             assert _same(_held(dst, "t"), before) and dst.kv.free_blocks == free, name
             assert "fresh" not in dst._sessions
-    for field in ("model_digest", "adapter", "manifest_hash", "backend_version", "template_hash"):
+    for field in ("model_digest", "adapter", "manifest_hash", "backend_version", "kernels", "template_hash"):
         foreign = make_engine(kv_mib=16, identity={field: "something-else"})
         await foreign.ensure_prefix("t", [1, 2, 3])
         kept = _held(foreign, "t")

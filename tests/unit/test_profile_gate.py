@@ -31,3 +31,21 @@ def test_a_profile_fails_on_the_passkey_only_where_the_reference_finds_it():
     old = _result(ok=False, reference_ok=True)
     del old["passkey"]["reference_ok"]            # a result without the reference's answer: judged absolutely
     assert quality.check("int8", old) == ["passkey failed: ' 1. 1.'"]
+
+
+def test_the_kernels_identity_is_the_isa_not_the_cpu_model(monkeypatch):
+    """The cache identity's ``kernels`` holds what picks a CPU's kernels (ISA flags, torch's CPU capability, the
+    variables that cap the ISA or change oneDNN's / MKL's rounding), not the model name nor torch's version (another
+    field's); setting such a variable makes it another identity."""
+    from modeld_cell.profile_gate import hardware, kernels_identity
+
+    for var in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_DEFAULT_FPMATH_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    hw, ident = hardware("cpu"), kernels_identity("cpu")
+    assert "name" not in ident and "torch" not in ident
+    assert ident == {k: v for k, v in hw.items() if k not in ("name", "torch")}
+    assert ident["torch_cpu_capability"] == hw["torch_cpu_capability"] and "isa_flags" in ident
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    assert kernels_identity("cpu")["isa_env"] == {**ident["isa_env"], "MKL_CBWR": "COMPATIBLE"}
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    assert kernels_identity("cpu")["isa_env"]["ONEDNN_DEFAULT_FPMATH_MODE"] == "BF16"
