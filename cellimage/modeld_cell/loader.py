@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,9 +96,29 @@ def resolve_model_path(cfg: CellConfig) -> str:
                             "from PyPI); pass model_path", field="model.ref")
 
 
+# The sources whose arithmetic computes a K/V bit (the forward, the decode steps, the KV formats, every kernel and
+# the rank runners), relative to the package: their hash is in backend_version, since the package's version string
+# does not move with each change and a snapshot must not outlive the code that computed it.
+NUMERICS_SOURCES = ("model.py", "decode_step.py", "prefill.py", "quantize.py", "kv_cache.py", "kernels", "parallel")
+
+
+@functools.cache
+def numerics_hash(root: Path | None = None) -> str:
+    """sha256 (12 hex digits) over NUMERICS_SOURCES' .py and .c files under ``root`` (this package), by path."""
+    root = root or Path(__file__).parent
+    h = hashlib.sha256()
+    for name in NUMERICS_SOURCES:
+        p = root / name
+        files = sorted(f for f in p.rglob("*") if f.suffix in (".py", ".c")) if p.is_dir() else [p]
+        for f in files:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def backend_version(backend: str) -> str:
-    """The versions a backend's results depend on (part of the cache identity)."""
-    out = f"modeld {__version__}; torch {torch.__version__}"
+    """The versions a backend's results depend on (part of the cache identity): modeld's, its numerics sources'
+    hash, torch's (and triton's)."""
+    out = f"modeld {__version__} (numerics {numerics_hash()}); torch {torch.__version__}"
     if backend == "triton":
         import triton
         out += f"; triton {triton.__version__}"

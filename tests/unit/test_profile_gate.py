@@ -49,3 +49,25 @@ def test_the_kernels_identity_is_the_isa_not_the_cpu_model(monkeypatch):
     assert kernels_identity("cpu")["isa_env"] == {**ident["isa_env"], "MKL_CBWR": "COMPATIBLE"}
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
     assert kernels_identity("cpu")["isa_env"]["ONEDNN_DEFAULT_FPMATH_MODE"] == "BF16"
+
+
+def test_the_backend_version_moves_with_the_numerics_sources(tmp_path):
+    """backend_version carries a hash of the sources that compute K/V bits (loader.NUMERICS_SOURCES), so a snapshot
+    or a stored session never outlives the code that computed it, whatever the package's version string says."""
+    from modeld_cell import loader
+
+    assert f"(numerics {loader.numerics_hash()})" in loader.backend_version("torch")
+    for name in loader.NUMERICS_SOURCES:
+        p = tmp_path / name
+        if "." in name:
+            p.write_text("x = 1\n")
+        else:
+            (p / "sub").mkdir(parents=True)
+            (p / "sub" / "k.c").write_text("int k;\n")
+            (p / "notes.md").write_text("not code\n")
+    before = loader.numerics_hash(tmp_path)
+    (tmp_path / "notes.md").write_text("still not code\n")
+    (tmp_path / "kernels" / "notes.md").write_text("changed, not code\n")
+    assert loader.numerics_hash.__wrapped__(tmp_path) == before
+    (tmp_path / "kernels" / "sub" / "k.c").write_text("int k = 1;\n")
+    assert loader.numerics_hash.__wrapped__(tmp_path) != before
