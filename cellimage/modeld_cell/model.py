@@ -162,8 +162,8 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 48, 64, 97, 128, 255, 30
 def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None:
     """Measure, on this process's kernels, what bitwise reuse rests on: every row of a matmul (each of layer 0's four
     RowLinears, at the model's dtype) and of the attention (``_segmented_attention``, or cpu.c's row attention where
-    the model took it) gets the same bits whatever the other rows of its call. None when it holds, else what
-    differed. It is a measurement because it depends on the BLAS / oneDNN kernel the CPU gets: with AMX, bf16 GEMMs of
+    the model took it) gets the same bits whatever the other rows of its call, and at one thread as at the process's
+    count (a decode step may run at one thread). None when it holds, else what differed. It is a measurement because it depends on the BLAS / oneDNN kernel the CPU gets: with AMX, bf16 GEMMs of
     16-32 rows round differently from 512-row ones (issue #11). Attention runs first, so a CPU whose kernels cannot
     compute the dtype at all raises here, at start, not at a first request."""
     w = model.norm.weight                                  # the compute dtype and device (also of quantized weights)
@@ -191,16 +191,32 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
         if not torch.equal(got, full[q0 : q0 + t]):
             return (f"attention ({rows_name or 'segmented'}, {w.dtype}): {t} rows at position {q0} differ from the "
                     f"same rows of a one-pass {rows}-row call on this CPU")
+    if (n := torch.get_num_threads()) > 1 and not torch.equal(at_one_thread(lambda: attend(97, 203)), full[97:300]):
+        return (f"attention ({rows_name or 'segmented'}, {w.dtype}): rows computed at one thread differ from the same "
+                f"rows at {n} threads on this CPU")
     layer = model.layers[0]
     return linears_row_invariant((("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
                                   ("feed_forward.w13", layer.feed_forward.w13),
                                   ("feed_forward.w2", layer.feed_forward.w2)), w.dtype, g, rows)
 
 
+def at_one_thread(fn: Any) -> Any:
+    """fn() with torch at one intra-op thread (a one-session decode step often runs so: runner.choose_decode_threads),
+    the process's count restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(n)
+
+
 @torch.no_grad()
 def linears_row_invariant(named: Any, dtype: torch.dtype, g: torch.Generator, rows: int = 512) -> str | None:
     """Every row of each (name, linear)'s matmul gets the same bits in a call of PROBE_ROWS rows as in a ``rows``-row
-    one (inputs in ``dtype`` from ``g``); None when it holds, else what differed."""
+    one (inputs in ``dtype`` from ``g``), and at one thread as at the process's count (a decode step at one thread
+    writes K/V a prefill at every thread must reproduce); None when it holds, else what differed."""
+    threads = torch.get_num_threads()
     for name, lin in named:
         x = torch.randn(rows, lin.in_features, generator=g).to(dtype)
         full = lin(x)
@@ -208,6 +224,11 @@ def linears_row_invariant(named: Any, dtype: torch.dtype, g: torch.Generator, ro
             if not torch.equal(lin(x[:m]), full[:m]):
                 return (f"{name} ({dtype}): the rows of a {m}-row matmul differ from the same rows of a {rows}-row "
                         "one on this CPU")
+        if threads > 1:
+            for m in (1, 33, rows):
+                if not torch.equal(at_one_thread(lambda: lin(x[:m])), full[:m]):  # noqa: B023
+                    return (f"{name} ({dtype}): the rows of a {m}-row matmul at one thread differ from the same rows "
+                            f"at {threads} threads on this CPU")
     return None
 
 

@@ -157,3 +157,29 @@ def test_the_runner_scripts_the_exact_step_through_it(rows_kernel) -> None:
     r = _runner(m)
     rep = r.choose_decode_step("script", reps=2, context=100)
     assert r.decode_step is not None and r.decode_step.kernel and rep["bitwise_equal"] is True
+
+
+class _ByThreads(M.RowLinear):
+    """A row linear whose rows round by torch's intra-op thread count (as a BLAS splitting its sums by thread would)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (torch.get_num_threads() - 1) * 1e-3
+
+
+def test_the_probe_finds_linears_that_round_by_thread_count():
+    """linears_row_invariant compares each linear at one thread with the process's count: a decode step run at one
+    thread must write the K/V a prefill at every thread computes."""
+    lin, plain, g = _ByThreads(32, 16), M.RowLinear(32, 16), torch.Generator().manual_seed(0)
+    if not (lin.pack() and plain.pack()):      # packed, as a CPU cell serves its linears: rows invariant by count
+        pytest.skip(f"oneDNN cannot pack fp32 weights here: {M.pack_refused(torch.float32)}")
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        why = M.linears_row_invariant((("ffn", lin),), torch.float32, g, rows=64)
+        assert why is not None and "at one thread differ from the same rows at 2 threads" in why, why
+        torch.set_num_threads(1)                      # nothing to compare at one thread
+        assert M.linears_row_invariant((("ffn", lin),), torch.float32, g, rows=64) is None
+        assert M.linears_row_invariant((("plain", plain),), torch.float32, g, rows=64) is None
+    finally:
+        torch.set_num_threads(n)
+    assert torch.get_num_threads() == n
