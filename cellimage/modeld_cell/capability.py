@@ -70,6 +70,8 @@ def capability(e: Engine) -> dict:
                     "weights_kernel": e.config.weights_kernel, "weights_choice": e.config.weights_choice,
                     "weights_layout": e.identity.get("weights_kernel"),       # as held: e.g. "dense; oneDNN-packed: 120"
                     "weights_pack_refused": getattr(e.model, "pack_refused", None),
+                    # plain weights measured faster for the layer step, packed instead: their rows were not invariant
+                    "weights_plain_refused": getattr(e.model, "plain_refused", None),
                     # the packed weights multiply fixed row tiles because untiled they were not row-invariant here
                     "weights_row_tile": ({"rows": ROW_TILE, "reason": why}
                                          if (why := getattr(e.model, "row_tile_reason", None)) else None),

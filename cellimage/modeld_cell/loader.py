@@ -239,6 +239,32 @@ def _layer_step_may_serve(settings: EngineSettings | None, cache_dir: str | None
     return bool(cpu_kernels.load(cache_dir)["loaded"])
 
 
+def plain_rows_differ(model: Transformer) -> str | None:
+    """What differs when layer 0's plain linears multiply rows in calls of other row counts (model.
+    linears_row_invariant), or None: plain weights keep reuse bitwise only where their rows do not."""
+    from .model import linears_row_invariant
+
+    layer = model.layers[0]
+    return linears_row_invariant((("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
+                                  ("feed_forward.w13", layer.feed_forward.w13),
+                                  ("feed_forward.w2", layer.feed_forward.w2)), model.compute_dtype,
+                                 torch.Generator().manual_seed(0))
+
+
+def settle_plain(model: Transformer, plain: str | None) -> None:
+    """The dense layer weights as served: plain where keep_plain_for_kernels gave a reason (``plain``) and their rows
+    are invariant on this CPU, else packed (pack_and_probe). Bitwise reuse comes before the layer step's speed:
+    plain fp32 weights whose rows round by the call's row count (the Zen 3 EPYC, 2026-12-07) would have made every
+    reuse of the cell 'tolerance'; ``model.plain_refused`` then says so (the capability's weights_plain_refused)."""
+    if plain is not None and (lost := plain_rows_differ(model)) is not None:
+        model.plain_refused = f"{plain}; not kept: {lost}"
+        plain = None
+    if plain is None:
+        pack_and_probe(model)
+    else:
+        model.pack_refused = plain
+
+
 MEASURED_LAYERS = 8            # keep_plain_for_kernels' layers: 56 MiB of SmolLM2's bf16 weights, past a 32 MiB L3
 
 
@@ -539,10 +565,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         plain = None if getattr(model, "decode_blocks", None) is not None else keep_plain_for_kernels(
             model, settings, quality_cache, decode_threads=settings.decode_threads or (
                 cfg.weights_choice or {}).get("decode_threads"))
-        if plain is None:
-            pack_and_probe(model)    # before the identity: what the layout computes is part of every K/V bit
-        else:
-            model.pack_refused = plain
+        settle_plain(model, plain)   # before the identity: what the layout computes is part of every K/V bit
     if rk is None and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu" and not hasattr(
             model, "row_attention_report"):
         # before the identity: the prefill attention's arithmetic is part of every K/V bit past the first layer

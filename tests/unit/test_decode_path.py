@@ -390,3 +390,25 @@ print(sorted(x for x in ("torch._dynamo", "torch._inductor", "sympy") if x in sy
                                                                          os.environ.get("PYTHONPATH", "")])})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"
+
+
+@needs_pack
+def test_plain_weights_whose_rows_differ_are_packed_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """loader.settle_plain: a plain-weights verdict (the layer step measured faster on them) stands only where the
+    plain rows are invariant; where they round by the call's row count the weights are packed and probed as usual,
+    and the model says why (bitwise reuse before the decode step's speed)."""
+    monkeypatch.setattr(M, "linears_row_invariant", lambda named, dtype, g, rows=512: None)   # rows invariant
+    m = _tiny()
+    loader.settle_plain(m, "kept plain for the layer step (the test says so)")
+    assert m.pack_refused == "kept plain for the layer step (the test says so)"
+    assert all(lin.packed is None for lin in m.modules() if isinstance(lin, M.RowLinear))
+    assert getattr(m, "plain_refused", None) is None
+    monkeypatch.setattr(M, "linears_row_invariant",
+                        lambda named, dtype, g, rows=512: "attention.wqkv (torch.float32): rows differ (the test)")
+    monkeypatch.setattr(loader, "probe_chunking_invariance", lambda model: None)
+    m = _tiny()
+    loader.settle_plain(m, "kept plain for the layer step (the test says so)")
+    assert m.plain_refused == ("kept plain for the layer step (the test says so); not kept: attention.wqkv "
+                               "(torch.float32): rows differ (the test)")
+    assert getattr(m, "pack_refused", None) is None and "oneDNN-packed" in m.weights_layout
+    assert all(lin.packed is not None for layer in m.layers for lin in layer.modules() if isinstance(lin, M.RowLinear))
