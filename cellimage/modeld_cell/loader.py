@@ -251,12 +251,14 @@ def plain_rows_differ(model: Transformer) -> str | None:
                                  torch.Generator().manual_seed(0))
 
 
-def settle_plain(model: Transformer, plain: str | None) -> None:
+def settle_plain(model: Transformer, plain: str | None, forced: bool = False) -> None:
     """The dense layer weights as served: plain where keep_plain_for_kernels gave a reason (``plain``) and their rows
-    are invariant on this CPU, else packed (pack_and_probe). Bitwise reuse comes before the layer step's speed:
-    plain fp32 weights whose rows round by the call's row count (the Zen 3 EPYC, 2026-12-07) would have made every
-    reuse of the cell 'tolerance'; ``model.plain_refused`` then says so (the capability's weights_plain_refused)."""
-    if plain is not None and (lost := plain_rows_differ(model)) is not None:
+    are invariant on this CPU, else packed (pack_and_probe). Bitwise reuse comes before the layer step's measured
+    speed: plain fp32 weights whose rows round by the call's row count (the Zen 3 EPYC, 2026-12-07) would have made
+    every reuse of the cell 'tolerance'; ``model.plain_refused`` then says so (the capability's
+    weights_plain_refused). ``forced`` (MODELD_CPU_KERNELS=on, which asks for the layer step): plain as asked, and
+    the start-up probe reports what reuse then is."""
+    if plain is not None and not forced and (lost := plain_rows_differ(model)) is not None:
         model.plain_refused = f"{plain}; not kept: {lost}"
         plain = None
     if plain is None:
@@ -565,7 +567,7 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         plain = None if getattr(model, "decode_blocks", None) is not None else keep_plain_for_kernels(
             model, settings, quality_cache, decode_threads=settings.decode_threads or (
                 cfg.weights_choice or {}).get("decode_threads"))
-        settle_plain(model, plain)   # before the identity: what the layout computes is part of every K/V bit
+        settle_plain(model, plain, forced=settings.cpu_kernels == "on")   # before the identity (the layout is in every K/V bit)
     if rk is None and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu" and not hasattr(
             model, "row_attention_report"):
         # before the identity: the prefill attention's arithmetic is part of every K/V bit past the first layer

@@ -412,3 +412,6 @@ def test_plain_weights_whose_rows_differ_are_packed_instead(monkeypatch: pytest.
                                "(torch.float32): rows differ (the test)")
     assert getattr(m, "pack_refused", None) is None and "oneDNN-packed" in m.weights_layout
     assert all(lin.packed is not None for layer in m.layers for lin in layer.modules() if isinstance(lin, M.RowLinear))
+    m = _tiny()                                        # MODELD_CPU_KERNELS=on asked for the layer step: plain as asked
+    loader.settle_plain(m, "kept plain (MODELD_CPU_KERNELS=on)", forced=True)
+    assert m.pack_refused == "kept plain (MODELD_CPU_KERNELS=on)" and getattr(m, "plain_refused", None) is None
