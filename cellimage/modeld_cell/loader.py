@@ -242,13 +242,9 @@ def _layer_step_may_serve(settings: EngineSettings | None, cache_dir: str | None
 def plain_rows_differ(model: Transformer) -> str | None:
     """What differs when layer 0's plain linears multiply rows in calls of other row counts (model.
     linears_row_invariant), or None: plain weights keep reuse bitwise only where their rows do not."""
-    from .model import linears_row_invariant
+    from .model import layer_linears, linears_row_invariant
 
-    layer = model.layers[0]
-    return linears_row_invariant((("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
-                                  ("feed_forward.w13", layer.feed_forward.w13),
-                                  ("feed_forward.w2", layer.feed_forward.w2)), model.compute_dtype,
-                                 torch.Generator().manual_seed(0))
+    return linears_row_invariant(layer_linears(model.layers[0]), model.compute_dtype, torch.Generator().manual_seed(0))
 
 
 def settle_plain(model: Transformer, plain: str | None, forced: bool = False) -> None:
@@ -567,7 +563,8 @@ def _build_engine(cls: type[Engine], cfg: CellConfig, model_path: str | None, se
         plain = None if getattr(model, "decode_blocks", None) is not None else keep_plain_for_kernels(
             model, settings, quality_cache, decode_threads=settings.decode_threads or (
                 cfg.weights_choice or {}).get("decode_threads"))
-        settle_plain(model, plain, forced=settings.cpu_kernels == "on")   # before the identity (the layout is in every K/V bit)
+        # before the identity: the layout is part of every K/V bit
+        settle_plain(model, plain, forced=settings.cpu_kernels == "on")
     if rk is None and cfg.backend == "torch" and torch.device(cfg.device).type == "cpu" and not hasattr(
             model, "row_attention_report"):
         # before the identity: the prefill attention's arithmetic is part of every K/V bit past the first layer

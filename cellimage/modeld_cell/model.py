@@ -163,7 +163,8 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
     """Measure, on this process's kernels, what bitwise reuse rests on: every row of a matmul (each of layer 0's four
     RowLinears, at the model's dtype) and of the attention (``_segmented_attention``, or cpu.c's row attention where
     the model took it) gets the same bits whatever the other rows of its call, and at one thread as at the process's
-    count (a decode step may run at one thread). None when it holds, else what differed. It is a measurement because it depends on the BLAS / oneDNN kernel the CPU gets: with AMX, bf16 GEMMs of
+    count (a decode step may run at one thread). None when it holds, else what differed. It is a measurement because
+    it depends on the BLAS / oneDNN kernel the CPU gets: with AMX, bf16 GEMMs of
     16-32 rows round differently from 512-row ones (issue #11). Attention runs first, so a CPU whose kernels cannot
     compute the dtype at all raises here, at start, not at a first request."""
     w = model.norm.weight                                  # the compute dtype and device (also of quantized weights)
@@ -194,10 +195,13 @@ def probe_chunking_invariance(model: Transformer, rows: int = 512) -> str | None
     if (n := torch.get_num_threads()) > 1 and not torch.equal(at_one_thread(lambda: attend(97, 203)), full[97:300]):
         return (f"attention ({rows_name or 'segmented'}, {w.dtype}): rows computed at one thread differ from the same "
                 f"rows at {n} threads on this CPU")
-    layer = model.layers[0]
-    return linears_row_invariant((("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
-                                  ("feed_forward.w13", layer.feed_forward.w13),
-                                  ("feed_forward.w2", layer.feed_forward.w2)), w.dtype, g, rows)
+    return linears_row_invariant(layer_linears(model.layers[0]), w.dtype, g, rows)
+
+
+def layer_linears(layer: Any) -> tuple[tuple[str, Any], ...]:
+    """A transformer layer's four linears by name, as the exactness probes multiply them."""
+    return (("attention.wqkv", layer.attention.wqkv), ("attention.wo", layer.attention.wo),
+            ("feed_forward.w13", layer.feed_forward.w13), ("feed_forward.w2", layer.feed_forward.w2))
 
 
 def at_one_thread(fn: Any) -> Any:
